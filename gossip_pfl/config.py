@@ -59,7 +59,7 @@ class AlgorithmConfig:
 @dataclass
 class EvalConfig:
     every: int = 10  #: evaluate every k rounds (and after the last)
-    chunk: int = 1024  #: samples per peer per evaluation forward
+    chunk: int = 16384  #: samples per evaluation forward, over all peers of a rank
     unseen_em: str = "converge"  #: converge | one_step (the paper's experiments)
 
 

@@ -222,12 +222,13 @@ class Trainer:
     # ---- measurements ---------------------------------------------------------------------
     @torch.no_grad()
     def train_losses(self, theta: torch.Tensor, split: PaddedSplit | None = None) -> torch.Tensor:
-        """Every sample's loss under every component: (L, M, N_max) (training data default)."""
-        parts = [
-            sample_loss(self.forward(theta, x), y, self.task)
-            for x, y, _ in (split or self.train).chunks(self.cfg.eval.chunk)
-        ]
-        return torch.cat(parts, dim=-1)
+        """Every sample's loss under every component: (L, M, N_max), 0 on padding (training
+        data by default)."""
+        split = split or self.train
+        losses = torch.zeros(*theta.shape[:2], split.y.shape[1], device=self.device)
+        for rows, sl, x, y, _ in split.chunks(self.cfg.eval.chunk):
+            losses[rows, :, sl] = sample_loss(self.forward(theta[rows], x), y, self.task)
+        return losses
 
     @torch.no_grad()
     def evaluate_unseen(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -263,11 +264,12 @@ class Trainer:
         """Per-row (mean log-loss, accuracy) of the personalized prediction on ``split``."""
         correct = torch.zeros(theta.shape[0], device=self.device, dtype=torch.float64)
         nll = torch.zeros_like(correct)
-        for x, y, m in split.chunks(self.cfg.eval.chunk):
-            probs = self.surrogate.predict(self.forward(theta, x), personal)
+        for rows, _, x, y, m in split.chunks(self.cfg.eval.chunk):
+            mine = {k: v[rows] for k, v in personal.items()}
+            probs = self.surrogate.predict(self.forward(theta[rows], x), mine)
             p_true = probs.gather(-1, y[..., None])[..., 0].clamp_min(1e-12)
-            nll += (-torch.log(p_true) * m).sum(-1).double()
-            correct += ((probs.argmax(-1) == y).float() * m).sum(-1).double()
+            nll.index_add_(0, rows, (-torch.log(p_true) * m).sum(-1).double())
+            correct.index_add_(0, rows, ((probs.argmax(-1) == y).float() * m).sum(-1).double())
         counts = split.counts.double().clamp_min(1)
         return nll / counts, correct / counts
 

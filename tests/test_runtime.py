@@ -177,6 +177,37 @@ def test_batched_forward_equals_loop():
     torch.testing.assert_close(fast, slow)
 
 
+@pytest.mark.parametrize(
+    "name, shape, options",
+    [
+        ("linear", (3, 4), {}),
+        ("mlp", (12,), {"hidden": [7, 5]}),
+        ("cnn", (1, 28, 28), {"channels": [3, 4], "hidden": 6}),
+        ("cnn", (3, 32, 32), {"channels": [2, 5], "hidden": 4}),
+    ],
+)
+def test_native_batched_layers_equal_the_plain_model(name, shape, options):
+    """A model's own batched_forward gives the per-(peer, component) nn.Module's outputs and
+    gradients."""
+    from gossip_pfl.models import build_model
+
+    model = build_model(name, shape, 4, **options)
+    layout = ParamLayout(model)
+    assert getattr(model, "batched_forward", None) is not None
+    theta = (0.3 * torch.randn(3, 2, layout.numel, dtype=torch.float64)).requires_grad_()
+    x = torch.randn(3, 5, *shape, dtype=torch.float64)
+    model.double()
+    fast = BatchedForward(model, layout, "auto")
+    slow = BatchedForward(model, layout, "loop")
+    assert fast.mode == "vmap" and "batched layers" in fast.describe()
+    out_fast, out_slow = fast(theta, x), slow(theta, x)
+    assert out_fast.shape == (3, 2, 5, 4)
+    torch.testing.assert_close(out_fast, out_slow)
+    g_fast = torch.autograd.grad(out_fast.sin().sum(), theta)[0]
+    g_slow = torch.autograd.grad(out_slow.sin().sum(), theta)[0]
+    torch.testing.assert_close(g_fast, g_slow)
+
+
 def test_token_inputs_with_lstm_fall_back_to_the_loop(tmp_path):
     """Text data (int64 token ids) keeps its dtype; an LSTM cannot be vmapped, so the runtime
     reports the per-peer loop and still trains."""

@@ -61,12 +61,19 @@ class PaddedSplit:
         x = self.x.flatten(0, 1).index_select(0, flat).view(*idx.shape, *self.x.shape[2:])
         return x, self.y.flatten().index_select(0, flat).view(idx.shape)
 
-    def chunks(self, size: int):
-        """Yield (x, y, mask) slices of at most ``size`` samples per peer (for evaluation)."""
+    def chunks(self, budget: int):
+        """Yield (rows, x, y, mask) pieces that cover every real sample once, each holding at
+        most about ``budget`` samples over all its peers (memory stays flat for big models).
+        Peers with no sample in a piece's positions are left out: client sizes are skewed,
+        and forwarding padding would cost several times the real work."""
+        n_max = self.y.shape[1]
+        width = max(1, min(n_max, budget // max(1, len(self.counts))))
         mask = self.mask
-        for start in range(0, self.y.shape[1], size):
-            sl = slice(start, start + size)
-            yield self.x[:, sl], self.y[:, sl], mask[:, sl]
+        for start in range(0, n_max, width):
+            active = (self.counts > start).nonzero()[:, 0]
+            sl = slice(start, start + width)
+            for rows in active.split(max(1, budget // width)):
+                yield rows, sl, self.x[rows, sl], self.y[rows, sl], mask[rows, sl]
 
 
 def round_batches(
