@@ -179,13 +179,15 @@ class Trainer:
         )  # fmt: skip
         idx = torch.as_tensor(idx, device=self.device)
         weight = torch.as_tensor(weight, device=self.device)
-        active = torch.as_tensor(weight.sum(-1) > 0)  # (S, L): peers with a batch at step s
+        filled = weight.sum(-1)  # (S, L) real samples of each peer's batch at step s
+        widths = filled.max(-1).values.long().tolist()
         anchor = theta.clone() if self.solver.prox_mu else None
         q = q.expand(L, self.M, -1)
         for s in range(idx.shape[0]):
-            # Only the peers still in their epoch take part (small peers finish early).
-            rows = active[s].nonzero()[:, 0]
-            b_idx, b_w = idx[s, rows], weight[s, rows]  # (A, B)
+            # Only the peers still in their epoch take part (small peers finish early), and
+            # the batch is cut to the longest real one: padding is front-to-back, and costs.
+            rows = (filled[s] > 0).nonzero()[:, 0]
+            b_idx, b_w = idx[s, rows, : widths[s]], weight[s, rows, : widths[s]]  # (A, B')
             x, y = self.train.take(rows, b_idx)
             # responsibilities of the batch's samples, zero on padding: (A, M, B)
             q_b = torch.gather(q[rows], 2, b_idx[:, None, :].expand(-1, self.M, -1))

@@ -235,3 +235,25 @@ def test_token_inputs_with_lstm_fall_back_to_the_loop(tmp_path):
     summary = trainer.run()
     assert 0 <= summary["test_accuracy"] <= 1
     assert np.isfinite(trainer.shared_parameters()).all()
+
+
+@pytest.mark.parametrize("budget", [1, 7, 40, 10_000])
+def test_evaluation_chunks_cover_each_real_sample_once(budget):
+    """Pieces skip padding-only peers, stay within the sample budget (when it allows a whole
+    column), and together visit every real (peer, sample) exactly once."""
+    from gossip_pfl.runtime.data import PaddedSplit
+
+    sizes = [0, 1, 5, 17, 3, 40]
+    xs = [np.full((n, 2), i, dtype=np.float32) for i, n in enumerate(sizes)]
+    ys = [np.arange(n) for n in sizes]
+    split = PaddedSplit.build(xs, ys, torch.device("cpu"))
+    seen = np.zeros((len(sizes), max(sizes)), dtype=int)
+    for rows, sl, x, y, mask in split.chunks(budget):
+        assert x.shape[:2] == y.shape == mask.shape and len(rows) == x.shape[0]
+        assert x.shape[0] * x.shape[1] <= max(budget, x.shape[1])
+        assert (split.counts[rows] > sl.start).all()  # no padding-only peer
+        torch.testing.assert_close(x[:, 0, 0], rows.float())  # rows are the right peers
+        for r, m in zip(rows.tolist(), mask):
+            seen[r, sl][m.numpy() > 0] += 1
+    expected = (np.arange(max(sizes))[None, :] < np.array(sizes)[:, None]).astype(int)
+    np.testing.assert_array_equal(seen, expected)
