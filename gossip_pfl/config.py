@@ -59,7 +59,9 @@ class AlgorithmConfig:
 @dataclass
 class EvalConfig:
     every: int = 10  #: evaluate every k rounds (and after the last)
-    chunk: int = 16384  #: samples per evaluation forward, over all peers of a rank
+    chunk: int = (
+        0  #: samples per evaluation forward, all peers of a rank (0: model's hint or 16384)
+    )
     unseen_em: str = "converge"  #: converge | one_step (the paper's experiments)
 
 
@@ -70,6 +72,7 @@ class RuntimeConfig:
     batching: str = "auto"  #: auto | vmap | loop
     timeout_s: float = 300.0  #: a rank waits this long for a dead peer before failing
     metrics_every: int = 1  #: consensus distance every k rounds (an all_reduce of the model)
+    step_chunk: int = 0  #: samples per forward in a local step, all peers (0: model's hint or all)
 
 
 @dataclass
@@ -217,6 +220,8 @@ def validate(cfg: RunConfig) -> None:
         (cfg.eval.every >= 1, "eval.every", "must be >= 1"),
         (cfg.eval.unseen_em in ("converge", "one_step"), "eval.unseen_em", "converge|one_step"),
         (cfg.runtime.metrics_every >= 1, "runtime.metrics_every", "must be >= 1"),
+        (cfg.runtime.step_chunk >= 0, "runtime.step_chunk", "must be >= 0 (0: automatic)"),
+        (cfg.eval.chunk >= 0, "eval.chunk", "must be >= 0 (0: automatic)"),
         (cfg.runtime.timeout_s > 0, "runtime.timeout_s", "must be > 0"),
         (cfg.checkpoint_every >= 0, "checkpoint_every", "must be >= 0"),
     ]

@@ -111,6 +111,12 @@ class Trainer:
         self.layout = ParamLayout(model)
         self.forward = BatchedForward(model, self.layout, rt.batching)
         self.task = task
+        # Samples per batched call (0 in the config: the model's CPU hint, else no limit for
+        # steps and 16384 for evaluation). On a GPU bigger calls are better, so no hint there.
+        hint = getattr(model, "samples_per_call", None)
+        hint = hint(self.M) if hint is not None and self.device.type == "cpu" else 0
+        self.step_chunk = rt.step_chunk or hint
+        self.eval_chunk = cfg.eval.chunk or hint or 16384
 
         # Shared state: (local nodes, M, P); rows past L are auxiliary nodes (an aggregating hub).
         n_nodes = n
@@ -221,6 +227,13 @@ class Trainer:
         self.cluster_rule.update(self.rows_of(delta).cpu().numpy())
         return self.cluster_rule.phase(self.sizes.astype(np.float64))
 
+    def peer_pieces(self, n_peers: int, batch: int) -> list[slice]:
+        """Slices of the peer axis with at most ``step_chunk`` samples each (0: one piece); a
+        piece holds at least one peer."""
+        chunk = self.step_chunk
+        per = n_peers if chunk <= 0 else max(1, chunk // max(1, batch))
+        return [slice(k, min(k + per, n_peers)) for k in range(0, n_peers, per)]
+
     # ---- measurements ---------------------------------------------------------------------
     @torch.no_grad()
     def train_losses(self, theta: torch.Tensor, split: PaddedSplit | None = None) -> torch.Tensor:
@@ -228,7 +241,7 @@ class Trainer:
         data by default)."""
         split = split or self.train
         losses = torch.zeros(*theta.shape[:2], split.y.shape[1], device=self.device)
-        for rows, sl, x, y, _ in split.chunks(self.cfg.eval.chunk):
+        for rows, sl, x, y, _ in split.chunks(self.eval_chunk):
             losses[rows, :, sl] = sample_loss(self.forward(theta[rows], x), y, self.task)
         return losses
 
@@ -266,7 +279,7 @@ class Trainer:
         """Per-row (mean log-loss, accuracy) of the personalized prediction on ``split``."""
         correct = torch.zeros(theta.shape[0], device=self.device, dtype=torch.float64)
         nll = torch.zeros_like(correct)
-        for rows, _, x, y, m in split.chunks(self.cfg.eval.chunk):
+        for rows, _, x, y, m in split.chunks(self.eval_chunk):
             mine = {k: v[rows] for k, v in personal.items()}
             probs = self.surrogate.predict(self.forward(theta[rows], x), mine)
             p_true = probs.gather(-1, y[..., None])[..., 0].clamp_min(1e-12)

@@ -239,6 +239,58 @@ def test_token_inputs_with_lstm_fall_back_to_the_loop(tmp_path):
     assert np.isfinite(trainer.shared_parameters()).all()
 
 
+@pytest.mark.parametrize("algorithm", ["dfedem", "pfedme"])
+def test_local_steps_in_peer_pieces_equal_one_piece(algorithm, tmp_path):
+    """runtime.step_chunk only splits the peer axis of each step: peers are independent, so
+    any piece size gives the parameters of the unsplit step (1 sample: one peer per piece)."""
+    results = []
+    for chunk in (0, 1, 40):
+        cfg = make_cfg(tmp_path / str(chunk), algorithm=algorithm, rounds=3)
+        cfg.runtime.step_chunk = chunk
+        trainer = Trainer(cfg, dataset=toy_dataset(6), log=lambda *a: None)
+        if chunk:
+            pieces = trainer.peer_pieces(6, 16)
+            assert [p.stop - p.start for p in pieces] == ([1] * 6 if chunk == 1 else [2, 2, 2])
+        trainer.run()
+        results.append(trainer.shared_parameters())
+    for other in results[1:]:
+        np.testing.assert_allclose(other, results[0], rtol=1e-5, atol=1e-6)
+
+
+def test_call_sizes_come_from_the_model_hint_unless_configured(tmp_path):
+    """On a CPU the CNN's hint (about 8 MiB of first-conv output per call) sets both budgets;
+    a configured value wins; a model without a hint keeps whole steps and 16384 for eval."""
+    from gossip_pfl.data.base import ClientData, FederatedDataset
+
+    rng = np.random.default_rng(0)
+    clients = []
+    for _ in range(3):
+        x = rng.normal(size=(10, 1, 28, 28)).astype(np.float32)
+        y = rng.integers(0, 10, size=10)
+        clients.append(ClientData(x, y, x[:0], y[:0], x[:4], y[:4]))
+    images = FederatedDataset("images", clients, (1, 28, 28), 10, "multiclass")
+
+    def trainer(model, data, **overrides):
+        cfg = make_cfg(tmp_path, algorithm="dfedem", components=3)
+        cfg.model.name, cfg.model.options = model, {"channels": [8, 16], "hidden": 8}
+        if model == "linear":
+            cfg.model.options = {}
+        for key, value in overrides.items():
+            section, name = key.split("__")
+            setattr(getattr(cfg, section), name, value)
+        return Trainer(cfg, dataset=data, log=lambda *a: None)
+
+    cnn = trainer("cnn", images)
+    hint = (8 << 20) // (4 * 3 * 8 * 24 * 24)  # bytes / (float32 x M x c1 x 24 x 24)
+    assert cnn.step_chunk == cnn.eval_chunk == hint
+    assert [p.stop - p.start for p in cnn.peer_pieces(13, 32)] == [hint // 32] * 3 + [1]
+    set_by_hand = trainer("cnn", images, runtime__step_chunk=64, eval__chunk=100)
+    assert (set_by_hand.step_chunk, set_by_hand.eval_chunk) == (64, 100)
+    linear = trainer("linear", toy_dataset(3))
+    assert (linear.step_chunk, linear.eval_chunk) == (0, 16384)
+    assert linear.peer_pieces(300, 128) == [slice(0, 300)]
+
+
 @pytest.mark.parametrize("budget", [1, 7, 40, 10_000])
 def test_evaluation_chunks_cover_each_real_sample_once(budget):
     """Pieces skip padding-only peers, stay within the sample budget (when it allows a whole

@@ -25,6 +25,8 @@ class Context(Protocol):
 
     def train_losses(self, theta: torch.Tensor, split=None) -> torch.Tensor: ...
 
+    def peer_pieces(self, n_peers: int, batch: int) -> list[slice]: ...
+
 
 class Surrogate(Protocol):
     components: int
@@ -52,8 +54,16 @@ class Surrogate(Protocol):
 
 def weighted_loss_grad(ctx: Context, theta: torch.Tensor, x, y, sw, batch_size: int):
     """Gradient of (sum_b sw_b * loss_b) / |batch| per peer and component (the released FedEM
-    code's normalization), by autograd through the batched forward."""
-    theta_g = theta.detach().requires_grad_(True)
-    per = sample_loss(ctx.forward(theta_g, x), y, ctx.task)  # (A, M, B)
-    (grad,) = torch.autograd.grad((per * sw).sum() / batch_size, theta_g)
-    return grad
+    code's normalization), by autograd through the batched forward.
+
+    Peers are independent, so the step may run in pieces of the peer axis (``ctx.peer_pieces``):
+    a big convolutional step then keeps its activations near the cache instead of streaming
+    hundreds of MB through memory. Each piece is its own autograd leaf (a slice of one leaf
+    would cost a full-size gradient per piece)."""
+    grads = []
+    for sl in ctx.peer_pieces(theta.shape[0], x.shape[1]):
+        theta_g = theta[sl].detach().requires_grad_(True)
+        per = sample_loss(ctx.forward(theta_g, x[sl]), y[sl], ctx.task)  # (A, M, B)
+        (grad,) = torch.autograd.grad((per * sw[sl]).sum() / batch_size, theta_g)
+        grads.append(grad)
+    return grads[0] if len(grads) == 1 else torch.cat(grads)

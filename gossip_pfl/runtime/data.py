@@ -67,7 +67,9 @@ class PaddedSplit:
         Peers with no sample in a piece's positions are left out: client sizes are skewed,
         and forwarding padding would cost several times the real work."""
         n_max = self.y.shape[1]
-        width = max(1, min(n_max, budget // max(1, len(self.counts))))
+        # Wide enough that a call is not all overhead (32 samples per peer when the budget
+        # allows), narrow enough that all the rank's peers share a call when it allows.
+        width = min(n_max, max(1, budget // max(1, len(self.counts)), min(budget, 32)))
         mask = self.mask
         for start in range(0, n_max, width):
             active = (self.counts > start).nonzero()[:, 0]
