@@ -59,9 +59,7 @@ class AlgorithmConfig:
 @dataclass
 class EvalConfig:
     every: int = 10  #: evaluate every k rounds (and after the last)
-    chunk: int = (
-        0  #: samples per evaluation forward, all peers of a rank (0: model's hint or 16384)
-    )
+    chunk: int = 0  #: samples per evaluation forward, all peers (0: model's hint or 16384)
     unseen_em: str = "converge"  #: converge | one_step (the paper's experiments)
 
 

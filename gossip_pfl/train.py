@@ -231,7 +231,7 @@ class Trainer:
         """Slices of the peer axis with at most ``step_chunk`` samples each (0: one piece); a
         piece holds at least one peer."""
         chunk = self.step_chunk
-        per = n_peers if chunk <= 0 else max(1, chunk // max(1, batch))
+        per = max(1, n_peers if chunk <= 0 else chunk // max(1, batch))  # >= 1: a range step
         return [slice(k, min(k + per, n_peers)) for k in range(0, n_peers, per)]
 
     # ---- measurements ---------------------------------------------------------------------

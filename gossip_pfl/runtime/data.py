@@ -62,8 +62,8 @@ class PaddedSplit:
         return x, self.y.flatten().index_select(0, flat).view(idx.shape)
 
     def chunks(self, budget: int):
-        """Yield (rows, x, y, mask) pieces that cover every real sample once, each holding at
-        most about ``budget`` samples over all its peers (memory stays flat for big models).
+        """Yield (rows, sample slice, x, y, mask) pieces that cover every real sample once,
+        each holding at most about ``budget`` samples over all its peers (memory stays flat).
         Peers with no sample in a piece's positions are left out: client sizes are skewed,
         and forwarding padding would cost several times the real work."""
         n_max = self.y.shape[1]
