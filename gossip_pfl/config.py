@@ -54,6 +54,7 @@ class AlgorithmConfig:
     tol1: float = 0.4  #: Clustered FL: split when ||mean update|| < tol1 ...
     tol2: float = 1.6  #: ... and max ||update_i|| > tol2
     step_weighting: str = "paper"  #: paper (omega_t = T n_t / n) | none (released code)
+    pi_init: str = "uniform"  #: mixture weights at start: uniform (released code) | random
 
 
 @dataclass
@@ -214,6 +215,7 @@ def validate(cfg: RunConfig) -> None:
         (a.local_steps is None or a.local_steps >= 0, "algorithm.local_steps", "must be >= 0"),
         (0 <= a.momentum < 1, "algorithm.momentum", "must be in [0, 1)"),
         (a.step_weighting in ("paper", "none"), "algorithm.step_weighting", "must be paper|none"),
+        (a.pi_init in ("uniform", "random"), "algorithm.pi_init", "must be uniform|random"),
         (all(0 < f < 1 for f in a.lr_decay), "algorithm.lr_decay", "fractions must be in (0, 1)"),
         (cfg.eval.every >= 1, "eval.every", "must be >= 1"),
         (cfg.eval.unseen_em in ("converge", "one_step"), "eval.unseen_em", "converge|one_step"),

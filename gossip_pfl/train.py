@@ -142,7 +142,7 @@ class Trainer:
             self.unseen_test = PaddedSplit.of(held, "test", self.device)
         a = cfg.algorithm
         self.surrogate = build_surrogate(cfg, self.spec, self.M, task)
-        self.personal = self.surrogate.init_personal(L, theta0)
+        self.personal = self.surrogate.init_personal(self.train_ids[self.peers], theta0)
         self.solver = LocalSGD(a.lr, a.momentum, a.weight_decay, a.mu if self.spec.prox else 0.0)
         self.opt_state = self.solver.init(self.nodes[:L])
         # D-FedEM (Alg. 4) moves the client weight n_t/n into the step; scaled by T so the mean
@@ -258,7 +258,7 @@ class Trainer:
             return tuple(self.gather([zero, zero, zero], [], n_unseen))
         u = len(self.unseen_pos)
         theta_u = theta_bar.expand(u, *theta_bar.shape)
-        personal = self.surrogate.init_personal(u, theta_bar)
+        personal = self.surrogate.init_personal(self.unseen_ids[self.unseen_pos], theta_bar)
         if self.M > 1:
             losses = self.train_losses(theta_u, self.unseen_train)
             iters = 1 if self.cfg.eval.unseen_em == "one_step" else 300

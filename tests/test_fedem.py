@@ -109,6 +109,23 @@ def test_pi_stays_on_simplex_and_consensus_falls(tmp_path):
     assert all(b < a for a, b in zip(distances, distances[1:])), distances
 
 
+def test_random_initial_pi_is_per_peer_and_on_the_simplex():
+    """pi_init: random draws each peer's weights from its own seeded stream: on the simplex,
+    different between peers, and the same row whichever subset of peers a rank holds."""
+    theta0 = torch.zeros(3, 5)
+    surrogate = MixtureSurrogate(3, "binary", 16, pi_init="random", seed=11)
+    full = surrogate.init_personal(np.arange(8), theta0)["pi"]
+    assert torch.all(full > 0)
+    torch.testing.assert_close(full.sum(1), torch.ones(8), rtol=0, atol=1e-6)
+    assert len({tuple(row.tolist()) for row in full}) == 8
+    part = surrogate.init_personal(np.array([5, 2]), theta0)["pi"]
+    torch.testing.assert_close(part, full[[5, 2]], rtol=0, atol=0)
+    other_seed = MixtureSurrogate(3, "binary", 16, pi_init="random", seed=12)
+    assert not torch.equal(other_seed.init_personal(np.arange(8), theta0)["pi"], full)
+    uniform = MixtureSurrogate(3, "binary", 16).init_personal(np.arange(8), theta0)["pi"]
+    torch.testing.assert_close(uniform, torch.full((8, 3), 1 / 3))
+
+
 def test_e_step_stable_for_huge_losses():
     surrogate = MixtureSurrogate(3, "binary", 16)
     personal = {"pi": torch.full((2, 3), 1 / 3)}
@@ -142,6 +159,8 @@ def test_nan_learning_rate_names_round_and_peer(tmp_path):
 def test_bad_components_and_shape(tmp_path):
     with pytest.raises(GossipError, match="algorithm.components"):
         cfg_for(tmp_path, components=0)
+    with pytest.raises(GossipError, match="algorithm.pi_init.*uniform.random"):
+        cfg_for(tmp_path, pi_init="dirichlet")
     cfg = cfg_for(tmp_path)
     cfg.model.name = "cnn"
     with pytest.raises(GossipError, match="cnn.*image"):

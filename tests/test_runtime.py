@@ -68,11 +68,14 @@ def test_placements_give_equal_parameters(schedule, tmp_path):
             np.testing.assert_allclose(multi[peer][0], theta, rtol=1e-6, atol=1e-7)
 
 
-def test_dfedem_placements_equal(tmp_path):
-    """The mixture (M = 3, private pi) on 1 rank and on 4 Gloo ranks."""
-    cfg = make_cfg(tmp_path / "one", "ring", "dfedem", components=3)
+@pytest.mark.parametrize("pi_init", ["uniform", "random"])
+def test_dfedem_placements_equal(pi_init, tmp_path):
+    """The mixture (M = 3, private pi) on 1 rank and on 4 Gloo ranks; random initial pi is drawn
+    per peer, so it too is the same whatever the placement."""
+    cfg = make_cfg(tmp_path / "one", "ring", "dfedem", components=3, pi_init=pi_init)
     single = train_and_collect(cfg)
-    multi = gathered(run_ranks(4, train_and_collect, make_cfg(tmp_path / "four", "ring", "dfedem")))
+    cfg4 = make_cfg(tmp_path / "four", "ring", "dfedem", components=3, pi_init=pi_init)
+    multi = gathered(run_ranks(4, train_and_collect, cfg4))
     for peer, (theta, pi) in single.items():
         np.testing.assert_allclose(multi[peer][0], theta, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(multi[peer][1], pi, rtol=1e-6, atol=1e-7)
@@ -311,3 +314,51 @@ def test_evaluation_chunks_cover_each_real_sample_once(budget):
             seen[r, sl][m.numpy() > 0] += 1
     expected = (np.arange(max(sizes))[None, :] < np.array(sizes)[:, None]).astype(int)
     np.testing.assert_array_equal(seen, expected)
+
+
+def _reference_plan(counts, peers, seed, round_, batch_size, epochs, steps, stream):
+    """Batch by batch, as the plan is defined: per peer a default_rng((seed, peer, round,
+    stream)); epochs cut one permutation each (short last batch), fixed steps cut full
+    batches from a running stream of permutations."""
+    per_peer = []
+    for i, n_i in zip(peers, counts):
+        rng = np.random.default_rng([seed, int(i), round_, stream])
+        n_i, b = int(n_i), min(batch_size, int(n_i))
+        n_steps = steps if steps is not None else epochs * -(-n_i // batch_size)
+        order, batches = np.empty(0, dtype=np.int64), []
+        for _ in range(n_steps if n_i else 0):
+            if steps is None:
+                if len(order) == 0:
+                    order = rng.permutation(n_i)
+                batches.append(order[:batch_size])
+                order = order[batch_size:]
+            else:
+                while len(order) < b:
+                    order = np.concatenate([order, rng.permutation(n_i)])
+                batches.append(order[:b])
+                order = order[b:]
+        per_peer.append(batches)
+    S = steps if steps is not None else max((len(b) for b in per_peer), default=0)
+    idx = np.zeros((S, len(peers), batch_size), dtype=np.int64)
+    weight = np.zeros((S, len(peers), batch_size), dtype=np.float32)
+    for l, batches in enumerate(per_peer):
+        for s, b in enumerate(batches):
+            idx[s, l, : len(b)], weight[s, l, : len(b)] = b, 1.0
+    return idx, weight
+
+
+def test_round_batches_equal_the_batch_by_batch_reference():
+    from gossip_pfl.runtime.data import round_batches
+
+    rng = np.random.default_rng(0)
+    for _ in range(100):
+        L = int(rng.integers(1, 10))
+        counts = rng.integers(0, 90, L)
+        counts[rng.integers(L)] += 1  # at least one peer with data
+        peers = rng.permutation(50)[:L]
+        args = (int(rng.integers(1, 40)), int(rng.integers(1, 4)))
+        steps = None if rng.random() < 0.5 else int(rng.integers(0, 9))
+        got = round_batches(counts, peers, 3, 5, *args, steps, 1)
+        want = _reference_plan(counts, peers, 3, 5, *args, steps, 1)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and np.array_equal(g, w)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from gossip_pfl.algorithms.losses import sample_loss
@@ -32,8 +33,10 @@ class Surrogate(Protocol):
     components: int
     task: str
 
-    def init_personal(self, n_local: int, theta0: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Private state of L peers; ``theta0`` (M, P) is the common initial shared state."""
+    def init_personal(self, peers: np.ndarray, theta0: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Private state of the peers with ids ``peers`` (L of them; the ids seed any random
+        draw, so it does not depend on the placement); ``theta0`` (M, P) is the common initial
+        shared state."""
 
     def begin_round(self, ctx: Context, theta: torch.Tensor, personal: dict, mask: torch.Tensor):
         """v-update before the local steps; returns (personal, q) with q (L, M, N) the weights

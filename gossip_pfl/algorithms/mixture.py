@@ -8,10 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gossip_pfl.algorithms.base import weighted_loss_grad
 from gossip_pfl.algorithms.losses import probabilities
+
+PI_STREAM = 7  #: keeps the pi draws apart from the minibatch streams (0, 1) of the same peer
 
 
 @dataclass(frozen=True)
@@ -21,11 +24,21 @@ class MixtureSurrogate:
     components: int
     task: str
     batch_size: int
+    pi_init: str = "uniform"  #: uniform (the released code) | random (the paper's Alg. 2/4)
+    seed: int = 0
 
-    def init_personal(self, n_local: int, theta0: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Uniform mixture weights pi (L, M), as the released code starts."""
-        m = self.components
-        return {"pi": torch.full((n_local, m), 1.0 / m, device=theta0.device)}
+    def init_personal(self, peers: np.ndarray, theta0: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Mixture weights pi (L, M) of the peers with ids ``peers``: uniform, as the released
+        code starts, or drawn uniformly from the simplex (Dirichlet(1)) per peer, as the paper's
+        "randomly initialize pi" reads. Random weights break the symmetry between components
+        from the first round: each component starts out trained on a different reweighting of
+        the peers, instead of every component seeing every sample with weight 1/M."""
+        m, dev = self.components, theta0.device
+        if self.pi_init == "uniform" or m == 1:
+            return {"pi": torch.full((len(peers), m), 1.0 / m, device=dev)}
+        draws = [np.random.default_rng([self.seed, int(i), PI_STREAM]).dirichlet(np.ones(m))
+                 for i in peers]  # fmt: skip
+        return {"pi": torch.as_tensor(np.array(draws), dtype=torch.float32, device=dev)}
 
     def begin_round(self, ctx, theta: torch.Tensor, personal: dict, mask: torch.Tensor):
         """E-step with the components held before the local update, then the pi update."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gossip_pfl.algorithms.base import weighted_loss_grad
@@ -39,8 +40,8 @@ class PFedMeSurrogate(_PersonalModelBase):
     inner_steps: int = 5
     personal_lr: float = 0.01
 
-    def init_personal(self, n_local: int, theta0: torch.Tensor) -> dict[str, torch.Tensor]:
-        return {"model": theta0.expand(n_local, *theta0.shape).clone()}
+    def init_personal(self, peers: np.ndarray, theta0: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {"model": theta0.expand(len(peers), *theta0.shape).clone()}
 
     def shared_grad(self, ctx, theta, personal, rows, x, y, sw) -> torch.Tensor:
         model = personal["model"][rows]
@@ -64,10 +65,10 @@ class APFLSurrogate(_PersonalModelBase):
     personal_lr: float = 0.1
     alpha_lr: float = 0.1
 
-    def init_personal(self, n_local: int, theta0: torch.Tensor) -> dict[str, torch.Tensor]:
+    def init_personal(self, peers: np.ndarray, theta0: torch.Tensor) -> dict[str, torch.Tensor]:
         return {
-            "model": theta0.expand(n_local, *theta0.shape).clone(),
-            "alpha": torch.full((n_local,), self.alpha, device=theta0.device),
+            "model": theta0.expand(len(peers), *theta0.shape).clone(),
+            "alpha": torch.full((len(peers),), self.alpha, device=theta0.device),
         }
 
     def shared_grad(self, ctx, theta, personal, rows, x, y, sw) -> torch.Tensor:

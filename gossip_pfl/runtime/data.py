@@ -91,32 +91,33 @@ def round_batches(
     """Minibatch plan of one round for a rank's peers.
 
     Returns ``idx`` (S, L, B) sample indices and ``weight`` (S, L, B) in {0, 1}. Peer i takes
-    ``epochs * ceil(n_i / B)`` steps (or exactly ``steps`` steps, cycling through fresh
-    permutations); steps past a peer's end are all-zero weight, and the solver skips them.
+    ``epochs * ceil(n_i / B)`` steps, one permutation per epoch with a short last batch (or
+    exactly ``steps`` full batches cut from a running stream of permutations); steps past a
+    peer's end are all-zero weight, and the solver skips them. Each peer draws from its own
+    generator seeded by (seed, peer, round, stream), so the plan of a peer does not depend on
+    which other peers share its rank.
     """
-    per_peer = []
-    for i, n_i in zip(peers, counts):
-        rng = np.random.default_rng([seed, int(i), round_, stream])
-        n_i = int(n_i)
-        n_steps = steps if steps is not None else epochs * -(-n_i // batch_size)
-        order, batches = np.empty(0, dtype=np.int64), []
-        for _ in range(n_steps):
-            if steps is None:  # epochs: each epoch a permutation, last batch may be short
-                if len(order) == 0:
-                    order = rng.permutation(n_i)
-                batches.append(order[:batch_size])
-                order = order[batch_size:]
-            else:  # fixed steps: full batches drawn from a running stream of permutations
-                while len(order) < min(batch_size, n_i):
-                    order = np.concatenate([order, rng.permutation(n_i)])
-                batches.append(order[: min(batch_size, n_i)])
-                order = order[min(batch_size, n_i) :]
-        per_peer.append(batches)
-    n_steps = max((len(b) for b in per_peer), default=0)
-    idx = np.zeros((n_steps, len(peers), batch_size), dtype=np.int64)
-    weight = np.zeros((n_steps, len(peers), batch_size), dtype=np.float32)
-    for l, batches in enumerate(per_peer):
-        for s, b in enumerate(batches):
-            idx[s, l, : len(b)] = b
-            weight[s, l, : len(b)] = 1.0
-    return idx, weight
+    counts = np.asarray(counts, dtype=np.int64)
+    per_epoch = -(-counts // batch_size)  # ceil(n_i / B)
+    n_steps = steps if steps is not None else epochs * int(per_epoch.max(initial=0))
+    # (L, S, B): each peer's plan is one contiguous block, filled with a few array operations
+    # (a loop over batches costs more than the draws); returned as an (S, L, B) view.
+    idx = np.zeros((len(peers), n_steps, batch_size), dtype=np.int64)
+    weight = np.zeros((len(peers), n_steps, batch_size), dtype=np.float32)
+    for l, (i, n_i) in enumerate(zip(peers, counts)):
+        if n_i == 0:
+            continue
+        # Generator(PCG64(key)) is default_rng(key), built without default_rng's overhead
+        rng = np.random.Generator(np.random.PCG64([seed, int(i), round_, stream]))
+        if steps is None:  # epochs: each epoch a permutation, the last batch may be short
+            for e in range(epochs):
+                block = slice(e * per_epoch[l], (e + 1) * per_epoch[l])
+                idx[l, block].reshape(-1)[:n_i] = rng.permutation(n_i)
+                weight[l, block].reshape(-1)[:n_i] = 1.0
+        else:  # fixed steps: full batches of min(B, n_i) from a stream of permutations
+            b = min(batch_size, int(n_i))
+            perms = -(-steps * b // n_i)
+            order = np.concatenate([rng.permutation(n_i) for _ in range(perms)] or [idx[l, :0, 0]])
+            idx[l, :, :b] = order[: steps * b].reshape(steps, b)
+            weight[l, :, :b] = 1.0
+    return idx.transpose(1, 0, 2), weight.transpose(1, 0, 2)
