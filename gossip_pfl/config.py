@@ -53,7 +53,9 @@ class AlgorithmConfig:
     alpha_lr: float | None = None  #: APFL's step on alpha (default: personal_lr; 0 = fixed)
     tol1: float = 0.4  #: Clustered FL: split when ||mean update|| < tol1 ...
     tol2: float = 1.6  #: ... and max ||update_i|| > tol2
-    step_weighting: str = "paper"  #: paper (omega_t = T n_t / n) | none (released code)
+    #: how D-FedEM weights client t by n_t / n: step (Alg. 4: local step x T n_t / n) | gossip
+    #: (the mix weights neighbour j by n_j: sum_j W_ij n_j theta_j / sum_j W_ij n_j) | none
+    client_weighting: str = "step"
     pi_init: str = "uniform"  #: mixture weights at start: uniform (released code) | random
 
 
@@ -214,7 +216,11 @@ def validate(cfg: RunConfig) -> None:
         (a.local_epochs >= 1, "algorithm.local_epochs", "must be >= 1"),
         (a.local_steps is None or a.local_steps >= 0, "algorithm.local_steps", "must be >= 0"),
         (0 <= a.momentum < 1, "algorithm.momentum", "must be in [0, 1)"),
-        (a.step_weighting in ("paper", "none"), "algorithm.step_weighting", "must be paper|none"),
+        (
+            a.client_weighting in ("step", "gossip", "none"),
+            "algorithm.client_weighting",
+            "must be step|gossip|none",
+        ),
         (a.pi_init in ("uniform", "random"), "algorithm.pi_init", "must be uniform|random"),
         (all(0 < f < 1 for f in a.lr_decay), "algorithm.lr_decay", "fractions must be in (0, 1)"),
         (cfg.eval.every >= 1, "eval.every", "must be >= 1"),

@@ -92,6 +92,46 @@ def test_dfedem_on_complete_graph_equals_fedem(tmp_path):
     np.testing.assert_allclose(runs["dfedem"], runs["fedem"], rtol=1e-5, atol=1e-6)
 
 
+def test_gossip_client_weighting_on_complete_graph_equals_fedem(tmp_path):
+    """client_weighting: gossip mixes sum_j W_ij n_j theta_j / sum_j W_ij n_j; with W = J / T
+    that is the server's n_t / n average, so D-FedEM equals FedEM on clients of unequal sizes.
+    Without the weighting the uniform average differs."""
+    data = toy_dataset(8)  # sizes 20, 33, ..., 111
+    complete = {"graph": "complete", "weights": "max_degree"}
+    runs = {}
+    for algo, schedule, weighting in (
+        ("fedem", None, "step"),
+        ("dfedem", complete, "gossip"),
+        ("dfedem", complete, "none"),
+    ):
+        cfg = cfg_for(tmp_path / f"{algo}_{weighting}", algo, schedule=schedule,
+                      client_weighting=weighting)  # fmt: skip
+        trainer = Trainer(cfg, data, log=quiet)
+        trainer.run()
+        runs[algo, weighting] = trainer.shared_parameters()
+    fedem = runs["fedem", "step"]
+    np.testing.assert_allclose(runs["dfedem", "gossip"], fedem, rtol=1e-5, atol=1e-6)
+    assert np.abs(runs["dfedem", "none"] - fedem).max() > 1e-3
+
+
+def test_gossip_client_weighting_mixes_with_the_size_weighted_matrix(tmp_path):
+    """One mix on a ring: theta_new = D^-1 W N theta with N = diag(n), D = diag(W n), the
+    dense matrix product in float64 (a row-stochastic W_ij n_j / sum_k W_ik n_k)."""
+    cfg = cfg_for(tmp_path, "dfedem", schedule={"graph": "ring", "weights": "metropolis"},
+                  client_weighting="gossip")  # fmt: skip
+    trainer = Trainer(cfg, dataset=toy_dataset(8), log=quiet)
+    gen = torch.Generator().manual_seed(0)
+    trainer.nodes.copy_(torch.randn(trainer.nodes.shape, generator=gen))
+    theta = trainer.nodes.double().numpy().reshape(8, -1)
+    W, n = trainer.schedule.matrix(0), trainer.sizes.astype(np.float64)
+    want = (W * n[None, :]) @ theta / (W @ n)[:, None]
+    for t in range(2):  # the second round reuses the cached sum_j W_ij n_j
+        trainer.mix(t)
+        got = trainer.nodes.double().numpy().reshape(8, -1)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        want = (W * n[None, :]) @ want / (W @ n)[:, None]
+
+
 def test_pi_stays_on_simplex_and_consensus_falls(tmp_path):
     schedule = {"graph": "ring", "weights": "metropolis"}
     cfg = cfg_for(tmp_path, "dfedem", schedule=schedule, lr=0.01)
@@ -161,6 +201,8 @@ def test_bad_components_and_shape(tmp_path):
         cfg_for(tmp_path, components=0)
     with pytest.raises(GossipError, match="algorithm.pi_init.*uniform.random"):
         cfg_for(tmp_path, pi_init="dirichlet")
+    with pytest.raises(GossipError, match="algorithm.client_weighting.*step.gossip.none"):
+        cfg_for(tmp_path, client_weighting="paper")
     cfg = cfg_for(tmp_path)
     cfg.model.name = "cnn"
     with pytest.raises(GossipError, match="cnn.*image"):

@@ -68,13 +68,16 @@ def test_placements_give_equal_parameters(schedule, tmp_path):
             np.testing.assert_allclose(multi[peer][0], theta, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("pi_init", ["uniform", "random"])
-def test_dfedem_placements_equal(pi_init, tmp_path):
+@pytest.mark.parametrize(
+    "options", [{}, {"pi_init": "random"}, {"client_weighting": "gossip"}], ids=str
+)
+def test_dfedem_placements_equal(options, tmp_path):
     """The mixture (M = 3, private pi) on 1 rank and on 4 Gloo ranks; random initial pi is drawn
-    per peer, so it too is the same whatever the placement."""
-    cfg = make_cfg(tmp_path / "one", "ring", "dfedem", components=3, pi_init=pi_init)
+    per peer, and the gossip's size weights come from the schedule on every rank, so they too
+    are the same whatever the placement."""
+    cfg = make_cfg(tmp_path / "one", "ring", "dfedem", components=3, **options)
     single = train_and_collect(cfg)
-    cfg4 = make_cfg(tmp_path / "four", "ring", "dfedem", components=3, pi_init=pi_init)
+    cfg4 = make_cfg(tmp_path / "four", "ring", "dfedem", components=3, **options)
     multi = gathered(run_ranks(4, train_and_collect, cfg4))
     for peer, (theta, pi) in single.items():
         np.testing.assert_allclose(multi[peer][0], theta, rtol=1e-6, atol=1e-7)
