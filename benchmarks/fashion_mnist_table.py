@@ -27,7 +27,7 @@ LABELS = {
     "local": "Local",
     "fedavg": "FedAvg",
     "fedem": "FedEM",
-    "dfedem": "D-FedEM (Erdos-Renyi 0.5, Metropolis)",
+    "dfedem": "D-FedEM (Erdos-Renyi 0.5, Metropolis, gossip client weighting)",
 }
 
 
