@@ -24,7 +24,7 @@ from gossip_pfl.errors import GossipError
 from gossip_pfl.models import build_model
 from gossip_pfl.runtime.comm import LocalComm, init_comm
 from gossip_pfl.runtime.data import PaddedSplit, round_batches
-from gossip_pfl.runtime.exchange import Exchanger
+from gossip_pfl.runtime.exchange import Exchanger, weight_by_size
 from gossip_pfl.runtime.placement import Placement
 from gossip_pfl.runtime.solver import LocalSGD
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout, init_components
@@ -153,11 +153,8 @@ class Trainer:
         self.lr_scale = torch.as_tensor(scale, dtype=torch.float32, device=self.device)
         # ... or the gossip weights neighbours by sample count (see mix): the server's n_t / n
         # average on a complete graph, without the large steps that destabilize momentum SGD.
-        self.gossip_sizes = None
-        if decentral and a.client_weighting == "gossip":
-            self.gossip_sizes = torch.as_tensor(
-                self.counts, dtype=torch.float32, device=self.device
-            )
+        gossip_weights = decentral and a.client_weighting == "gossip"
+        self.mix_sizes = sizes.astype(np.float64) if gossip_weights else None
         self.forward.check(self.nodes[:L], self.train.x)
         self.exchanger = Exchanger(self.placement, self.comm)
         self.sizes = sizes
@@ -168,7 +165,6 @@ class Trainer:
         self.round = 0
         self.model_bytes = 0  # peer-to-peer traffic of the schedule (see mix)
         self._spare = None  # mixing output buffer (see mix)
-        self._mixed_sizes: dict = {}  # sum_j W_ij n_j per schedule phase (client_weighting)
 
     # ---- one round, in named steps -------------------------------------------------------
     def local_work(self, t: int) -> None:
@@ -223,29 +219,13 @@ class Trainer:
             key = (t % period, k) if period else None
             # double buffering: the previous state becomes the next output (no fresh pages)
             spare = self._spare if self._spare is not None else torch.empty_like(flat)
-            if self.gossip_sizes is not None:  # send n_j theta_j (flat is the next spare)
-                flat[: len(self.peers)] *= self.gossip_sizes[:, None]
+            if self.mix_sizes is not None:
+                phase = weight_by_size(phase, self.mix_sizes)
             new = self.exchanger.mix(flat, self.exchanger.plan(phase, key), out=spare)
-            if self.gossip_sizes is not None:  # ... and divide by sum_j W_ij n_j
-                new[: len(self.peers)] /= self.mixed_sizes(phase, key)[:, None]
             self._spare, flat = flat, new
             # what the peers would send with one peer per machine, whatever the placement
             self.model_bytes += phase.messages * flat.shape[1] * flat.element_size()
         self.nodes = flat.view_as(self.nodes)
-
-    def mixed_sizes(self, phase, key) -> torch.Tensor:
-        """sum_j W_ij n_j for this rank's peers i: every rank computes it from the phase, no
-        communication (a node in no row of the phase keeps its value: weight 1 on itself)."""
-        if key is None or key not in self._mixed_sizes:
-            sizes = self.sizes.astype(np.float64)
-            z = sizes.copy()
-            z[np.unique(phase.rows)] = 0.0
-            np.add.at(z, phase.rows, phase.weights * sizes[phase.cols])
-            z = torch.as_tensor(z[self.peers], dtype=self.nodes.dtype, device=self.device)
-            if key is None:
-                return z
-            self._mixed_sizes[key] = z
-        return self._mixed_sizes[key]
 
     def cluster_phase(self):
         """Clustered FL: gather every peer's update of this round, let the (replicated) server

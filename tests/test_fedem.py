@@ -125,7 +125,7 @@ def test_gossip_client_weighting_mixes_with_the_size_weighted_matrix(tmp_path):
     theta = trainer.nodes.double().numpy().reshape(8, -1)
     W, n = trainer.schedule.matrix(0), trainer.sizes.astype(np.float64)
     want = (W * n[None, :]) @ theta / (W @ n)[:, None]
-    for t in range(2):  # the second round reuses the cached sum_j W_ij n_j
+    for t in range(2):
         trainer.mix(t)
         got = trainer.nodes.double().numpy().reshape(8, -1)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

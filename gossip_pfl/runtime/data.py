@@ -116,8 +116,8 @@ def round_batches(
                 weight[l, block].reshape(-1)[:n_i] = 1.0
         else:  # fixed steps: full batches of min(B, n_i) from a stream of permutations
             b = min(batch_size, int(n_i))
-            perms = -(-steps * b // n_i)
-            order = np.concatenate([rng.permutation(n_i) for _ in range(perms)] or [idx[l, :0, 0]])
+            perms = max(1, -(-steps * b // n_i))  # the generator is this call's alone
+            order = np.concatenate([rng.permutation(n_i) for _ in range(perms)])
             idx[l, :, :b] = order[: steps * b].reshape(steps, b)
             weight[l, :, :b] = 1.0
     return idx.transpose(1, 0, 2), weight.transpose(1, 0, 2)

@@ -78,6 +78,18 @@ def _as_rows(idx: np.ndarray, device) -> torch.Tensor | slice:
     return torch.as_tensor(idx, device=device)
 
 
+def weight_by_size(phase: Phase, sizes: np.ndarray) -> Phase:
+    """The phase with neighbour j weighted by its sample count n_j:
+    ``W_ij n_j / sum_k W_ik n_k`` (row-stochastic; a node in no row keeps its value).
+
+    On a complete graph with ``W = J / n`` this is the server's ``n_j / sum n`` average. Every
+    rank derives it from the schedule, so it costs no traffic and no pass over the parameters.
+    """
+    scaled = phase.weights * sizes[phase.cols]
+    totals = np.bincount(phase.rows, weights=scaled, minlength=phase.size)
+    return Phase(phase.size, phase.rows, phase.cols, scaled / totals[phase.rows])
+
+
 def plan_phase(phase: Phase, placement: Placement, device: torch.device) -> PhasePlan:
     """Work out this rank's sends, receives and mixing blocks for ``phase``."""
     local = placement.nodes(phase.size)
