@@ -193,18 +193,22 @@ class Trainer:
         filled = weight.sum(-1)  # (S, L) real samples of each peer's batch at step s
         widths = filled.max(-1).values.long().tolist()
         anchor = theta.clone() if self.solver.prox_mu else None
-        q = q.expand(L, self.M, -1)
+        q = q.expand(L, self.M, -1) if q is not None else None
         for s in range(idx.shape[0]):
             # Only the peers still in their epoch take part (small peers finish early), and
             # the batch is cut to the longest real one: padding is front-to-back, and costs.
             rows = (filled[s] > 0).nonzero()[:, 0]
-            b_idx, b_w = idx[s, rows, : widths[s]], weight[s, rows, : widths[s]]  # (A, B')
+            # every peer in the step (the big early ones): a slice makes theta, q and the
+            # optimizer state views instead of copies
+            sel = slice(None) if len(rows) == L else rows
+            b_idx, b_w = idx[s, sel, : widths[s]], weight[s, sel, : widths[s]]  # (A, B')
             x, y = self.train.take(rows, b_idx)
-            # responsibilities of the batch's samples, zero on padding: (A, M, B)
-            q_b = torch.gather(q[rows], 2, b_idx[:, None, :].expand(-1, self.M, -1))
-            sw = q_b * b_w[:, None, :]
-            grad = self.surrogate.shared_grad(self, theta[rows], personal, rows, x, y, sw)
-            self.solver.step(theta, grad, opt_state, rows, self.lr_scale, factor, anchor)
+            # the samples' weights: responsibilities (none: 1) times the padding mask, (A, M, B)
+            sw = b_w[:, None, :].expand(-1, self.M, -1)
+            if q is not None:
+                sw = torch.gather(q[sel], 2, b_idx[:, None, :].expand(-1, self.M, -1)) * sw
+            grad = self.surrogate.shared_grad(self, theta[sel], personal, rows, x, y, sw)
+            self.solver.step(theta, grad, opt_state, sel, self.lr_scale, factor, anchor)
 
     def mix(self, t: int) -> None:
         """Exchange with neighbours and mix the shared state through W_t's phases."""
@@ -311,9 +315,8 @@ class Trainer:
             theta = theta.clone()
             personal = {k: v.clone() for k, v in personal.items()}
             steps_state = LocalSGD(self.cfg.algorithm.lr).init(theta)
-            q = self.train.mask[:, None, :]
             self.local_steps(
-                theta, q, steps_state, self.round, self.spec.finetune_epochs,
+                theta, None, steps_state, self.round, self.spec.finetune_epochs,
                 personal=personal, stream=1,
             )  # fmt: skip
         theta = self.surrogate.eval_state(theta, personal)

@@ -40,7 +40,8 @@ class Surrogate(Protocol):
 
     def begin_round(self, ctx: Context, theta: torch.Tensor, personal: dict, mask: torch.Tensor):
         """v-update before the local steps; returns (personal, q) with q (L, M, N) the weights
-        of every training sample in the loss for u (ones for plain ERM)."""
+        of every training sample in the loss for u, or None for plain ERM (weight 1 on every
+        real sample: the solver then skips gathering q per step)."""
 
     def shared_grad(
         self, ctx: Context, theta: torch.Tensor, personal: dict, rows, x, y, sw

@@ -43,7 +43,7 @@ class MixtureSurrogate:
     def begin_round(self, ctx, theta: torch.Tensor, personal: dict, mask: torch.Tensor):
         """E-step with the components held before the local update, then the pi update."""
         if self.components == 1:
-            return personal, mask[:, None, :]
+            return personal, None
         return self.update_personal(personal, ctx.train_losses(theta), mask)
 
     def shared_grad(self, ctx, theta, personal, rows, x, y, sw) -> torch.Tensor:

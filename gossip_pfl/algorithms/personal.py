@@ -23,7 +23,7 @@ class _PersonalModelBase:
     batch_size: int
 
     def begin_round(self, ctx, theta, personal, mask):
-        return personal, mask[:, None, :]
+        return personal, None
 
     def predict(self, logits: torch.Tensor, personal: dict) -> torch.Tensor:
         return probabilities(logits[:, 0], self.task)

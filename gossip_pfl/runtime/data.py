@@ -100,24 +100,52 @@ def round_batches(
     counts = np.asarray(counts, dtype=np.int64)
     per_epoch = -(-counts // batch_size)  # ceil(n_i / B)
     n_steps = steps if steps is not None else epochs * int(per_epoch.max(initial=0))
-    # (L, S, B): each peer's plan is one contiguous block, filled with a few array operations
+    # (L, S*B): each peer's plan is one contiguous row, filled with a few array operations
     # (a loop over batches costs more than the draws); returned as an (S, L, B) view.
-    idx = np.zeros((len(peers), n_steps, batch_size), dtype=np.int64)
-    weight = np.zeros((len(peers), n_steps, batch_size), dtype=np.float32)
+    L, width = len(peers), n_steps * batch_size
+    idx = np.zeros((L, width), dtype=np.int64)
+    weight = np.zeros((L, width), dtype=np.float32)
+    arange = np.arange(int(counts.max(initial=0)))
+    generators = _KeyedGenerators(seed, round_, stream, peers)
     for l, (i, n_i) in enumerate(zip(peers, counts)):
         if n_i == 0:
             continue
-        # Generator(PCG64(key)) is default_rng(key), built without default_rng's overhead
-        rng = np.random.Generator(np.random.PCG64([seed, int(i), round_, stream]))
+        rng = generators.of(int(i))
         if steps is None:  # epochs: each epoch a permutation, the last batch may be short
+            block = per_epoch[l] * batch_size
             for e in range(epochs):
-                block = slice(e * per_epoch[l], (e + 1) * per_epoch[l])
-                idx[l, block].reshape(-1)[:n_i] = rng.permutation(n_i)
-                weight[l, block].reshape(-1)[:n_i] = 1.0
+                seg = idx[l, e * block : e * block + n_i]
+                seg[:] = arange[:n_i]
+                rng.shuffle(seg)  # in place: the same draws as rng.permutation(n_i)
+                weight[l, e * block : e * block + n_i] = 1.0
         else:  # fixed steps: full batches of min(B, n_i) from a stream of permutations
             b = min(batch_size, int(n_i))
             perms = max(1, -(-steps * b // n_i))  # the generator is this call's alone
             order = np.concatenate([rng.permutation(n_i) for _ in range(perms)])
-            idx[l, :, :b] = order[: steps * b].reshape(steps, b)
-            weight[l, :, :b] = 1.0
-    return idx.transpose(1, 0, 2), weight.transpose(1, 0, 2)
+            idx[l].reshape(steps, batch_size)[:, :b] = order[: steps * b].reshape(steps, b)
+            weight[l].reshape(steps, batch_size)[:, :b] = 1.0
+    shape = (L, n_steps, batch_size)
+    return idx.reshape(shape).transpose(1, 0, 2), weight.reshape(shape).transpose(1, 0, 2)
+
+
+class _KeyedGenerators:
+    """``default_rng([seed, peer, round_, stream])`` for many peers, built for less than half
+    its cost: the key as a uint32 array (the words SeedSequence makes of the list when every
+    part is below 2**32) skips the per-integer coercion, and Generator(PCG64(...)) skips
+    default_rng's dispatch. The plan draws one generator per peer per round, so this is most
+    of its time."""
+
+    def __init__(self, seed: int, round_: int, stream: int, peers: np.ndarray):
+        self.key = [seed, 0, round_, stream]
+        peers = np.asarray(peers)
+        low = min(seed, round_, stream, int(peers.min(initial=0)))
+        high = max(seed, round_, stream, int(peers.max(initial=0)))
+        fits = 0 <= low and high < 2**32
+        self.words = np.array(self.key, dtype=np.uint32) if fits else None
+
+    def of(self, peer: int) -> np.random.Generator:
+        if self.words is None:
+            self.key[1] = peer
+            return np.random.default_rng(self.key)
+        self.words[1] = peer
+        return np.random.Generator(np.random.PCG64(np.random.SeedSequence(self.words)))

@@ -43,8 +43,9 @@ class LocalSGD:
         lr_factor: float = 1.0,
         anchor: torch.Tensor | None = None,
     ) -> None:
-        """One in-place step on the peers ``rows`` (indices into theta's first axis); ``grad``
-        holds their gradients in that order. ``lr_scale`` (L,) is a per-peer multiplier."""
+        """One in-place step on the peers ``rows`` (indices into theta's first axis, or a
+        slice); ``grad`` holds their gradients in that order. ``lr_scale`` (L,) is a per-peer
+        multiplier."""
         p = theta[rows]
         g = grad
         if self.weight_decay:
