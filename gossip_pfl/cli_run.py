@@ -65,11 +65,14 @@ def cmd_run(args: argparse.Namespace) -> int:
 
         plots = write_plots([load_run(cfg.out)], Path(cfg.out) / "plots")
         keys = ("test_accuracy", "test_accuracy_p10", "train_accuracy", "rounds", "wall_seconds")
-        keys += tuple(k for k in ("unseen_test_accuracy", "cluster_recovery") if k in summary)
+        optional = ("unseen_test_accuracy", "cluster_recovery", "mixture_weights")
+        keys += tuple(k for k in optional if k in summary)
         width = max(map(len, keys))
         print(f"results ({cfg.algorithm.name}, written to {Path(cfg.out) / 'summary.json'}):")
         for k in keys:
             v = summary[k]
+            if isinstance(v, list):
+                v = " ".join(f"{w:.3f}" for w in v)
             print(f"  {k:<{width}}  {v:.4f}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
         print(f"plots: {plots[0].parent}/ ({', '.join(p.name for p in plots)})")
     return 0

@@ -458,12 +458,26 @@ class Trainer:
             "seconds_local": self.times["local"],
             "seconds_exchange": self.times["exchange"],
             "client_test_accuracy": [round(float(a), 5) for a in te_acc],
+            **self.mixture_usage(),
         }
         if len(self.unseen_ids):
             _, acc, n = self.evaluate_unseen()
             row["unseen_test_accuracy"] = float(np.mean(acc))
             row["unseen_test_accuracy_p10"] = float(np.percentile(acc, 10))
         return row
+
+    def mixture_usage(self) -> dict:
+        """Each component's mean mixture weight over the training peers, and how many peers
+        put their largest weight on it: a component dying out or taking over every client
+        shows here (empty without mixture weights)."""
+        pi = self.personal.get("pi")
+        if pi is None or self.M == 1:
+            return {}
+        full = self.gather([pi[:, m] for m in range(self.M)], self.peers, self.n_peers)  # (M, n)
+        return {
+            "mixture_weights": [round(float(w), 5) for w in full.mean(1)],
+            "mixture_leaders": np.bincount(full.argmax(0), minlength=self.M).tolist(),
+        }
 
     def traffic(self) -> dict:
         """Traffic so far: ``model_bytes`` as if every peer were its own machine (the
@@ -521,7 +535,7 @@ class Trainer:
             "world_size": self.comm.world_size,
             "bytes_sent": last["bytes_sent"],
             "client_test_accuracy": last["client_test_accuracy"],
-            **{k: v for k, v in last.items() if k.startswith("unseen_")},
+            **{k: v for k, v in last.items() if k.startswith(("unseen_", "mixture_"))},
         }
 
     def describe(self) -> str:

@@ -219,3 +219,20 @@ def test_clustered_fl_bipartition_and_phase():
     w = rule.phase(np.array([1.0, 3.0, 1.0, 1.0])).dense()
     np.testing.assert_allclose(w[0], [0.25, 0.75, 0, 0])
     np.testing.assert_allclose(w.sum(1), 1)
+
+
+def test_mixture_usage_in_metrics(tmp_path):
+    """metrics.jsonl and summary.json report each component's mean mixture weight and how
+    many clients lead with it, computed from the peers' own pi."""
+    import json
+
+    trainer = Trainer(cfg_for(tmp_path, pi_init="random"), toy_dataset(6), log=quiet)
+    summary = trainer.run()
+    pi = trainer.personal["pi"].numpy()
+    row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    np.testing.assert_allclose(row["mixture_weights"], pi.mean(0), atol=1e-5)
+    assert row["mixture_leaders"] == np.bincount(pi.argmax(1), minlength=3).tolist()
+    assert sum(row["mixture_leaders"]) == 6 and sum(row["mixture_weights"]) == pytest.approx(1)
+    assert summary["mixture_weights"] == row["mixture_weights"]
+    fedavg = Trainer(cfg_for(tmp_path / "avg", "fedavg", components=1), toy_dataset(6), log=quiet)
+    assert "mixture_weights" not in fedavg.run()

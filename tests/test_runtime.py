@@ -40,12 +40,13 @@ def make_cfg(tmp, schedule="ring", algorithm="dsgd", rounds=5, **algo):
 
 
 def train_and_collect(cfg, n_peers=8):
-    """Run a config on this rank and return {peer: (M, P) parameters} plus its pi."""
+    """Run a config on this rank and return {peer: (M, P) parameters, its pi, the run's
+    summary as this rank computed it}."""
     trainer = Trainer(cfg, dataset=toy_dataset(n_peers), log=lambda *a: None)
-    trainer.run()
+    summary = trainer.run()
     theta = trainer.shared_parameters()
     pi = trainer.personal["pi"].cpu().numpy()
-    return {int(p): (theta[i], pi[i]) for i, p in enumerate(trainer.peers)}
+    return {int(p): (theta[i], pi[i], summary) for i, p in enumerate(trainer.peers)}
 
 
 def gathered(results):
@@ -64,7 +65,7 @@ def test_placements_give_equal_parameters(schedule, tmp_path):
         cfg_k = make_cfg(tmp_path / f"w{world}", schedule)
         multi = gathered(run_ranks(world, train_and_collect, cfg_k))
         assert sorted(multi) == sorted(single)
-        for peer, (theta, _) in single.items():
+        for peer, (theta, _, _) in single.items():
             np.testing.assert_allclose(multi[peer][0], theta, rtol=1e-6, atol=1e-7)
 
 
@@ -79,9 +80,13 @@ def test_dfedem_placements_equal(options, tmp_path):
     single = train_and_collect(cfg)
     cfg4 = make_cfg(tmp_path / "four", "ring", "dfedem", components=3, **options)
     multi = gathered(run_ranks(4, train_and_collect, cfg4))
-    for peer, (theta, pi) in single.items():
+    for peer, (theta, pi, summary) in single.items():
         np.testing.assert_allclose(multi[peer][0], theta, rtol=1e-6, atol=1e-7)
         np.testing.assert_allclose(multi[peer][1], pi, rtol=1e-6, atol=1e-7)
+        # every rank reports the same usage of the components, gathered over all peers
+        np.testing.assert_allclose(multi[peer][2]["mixture_weights"], summary["mixture_weights"],
+                                   atol=1e-5)  # fmt: skip
+        assert multi[peer][2]["mixture_leaders"] == summary["mixture_leaders"]
 
 
 def test_gossip_preserves_average_and_contracts_at_rho(tmp_path):

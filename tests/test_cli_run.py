@@ -1,0 +1,30 @@
+"""`gossip-pfl run` end to end: the embedded demo through the command line, its results table,
+and a bad override."""
+
+from __future__ import annotations
+
+import json
+
+from gossip_pfl.cli import main
+
+
+def test_demo_run_prints_results_table(tmp_path, capsys):
+    assert main(["run", "--set", "rounds=4", "--out", str(tmp_path), "--quiet"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "results (dfedem" in out
+    table = dict(line.split(None, 1) for line in out.splitlines() if line.startswith("  "))
+    assert float(table["test_accuracy"]) == round(summary["test_accuracy"], 4)
+    weights = [float(w) for w in table["mixture_weights"].split()]
+    assert len(weights) == 3 and abs(sum(weights) - 1) < 2e-3
+    assert weights == [round(w, 3) for w in summary["mixture_weights"]]
+    assert f"plots: {tmp_path / 'plots'}/" in out
+    assert (tmp_path / "plots" / "accuracy_vs_round.png").is_file()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= 1
+
+
+def test_unknown_override_is_one_line_error(tmp_path, capsys):
+    assert main(["run", "--set", "algorithm.lrr=0.1", "--out", str(tmp_path)]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "algorithm.lrr" in err[0] and "lr" in err[0]
+    assert not (tmp_path / "metrics.jsonl").exists()
