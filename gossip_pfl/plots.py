@@ -441,15 +441,47 @@ PLOTS = dict(
 )
 
 
+def mixture_weights(run: Run) -> np.ndarray | None:
+    """(rounds, M) mean mixture weight of each component per evaluated round; None for runs
+    without mixture weights (one model, or metrics from an older gossip-pfl)."""
+    rows = [r.get("mixture_weights") for r in run.rows]
+    if not any(isinstance(w, list) for w in rows):
+        return None
+    m = max(len(w) for w in rows if isinstance(w, list))
+    return np.array([w if isinstance(w, list) and len(w) == m else [math.nan] * m for w in rows])
+
+
+def plot_mixture_weights(runs: list[Run]) -> Figure:
+    """Each component's mean mixture weight over the clients vs round, one color per run and
+    one line style per component: a component dying out (weight to 0) or taking over every
+    client (to 1) shows at a glance."""
+    fig, ax = _figure("Mixture weights vs round", len(runs))
+    styles = ("-", "--", ":", "-.")
+    for i, (run, label, color) in enumerate(zip(runs, _labels(runs), _colors(len(runs)))):
+        w = mixture_weights(run)
+        for m in range(0 if w is None else w.shape[1]):
+            ax.plot(run.rounds, w[:, m], styles[m % len(styles)], color=color,
+                    label=f"{label}, component {m}", gid=f"{i}:mixture_weights:{m}")  # fmt: skip
+    _x_round(ax)
+    ax.set_ylabel("mean mixture weight over clients")
+    ax.set_ylim(-0.02, 1.02)
+    _legend(ax, len(runs))
+    return fig
+
+
 def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
-    """Save every figure of :data:`PLOTS` as ``out/<name>.png``; the paths written."""
+    """Save every figure of :data:`PLOTS` as ``out/<name>.png``, and
+    ``mixture_weights_vs_round.png`` when a run has mixture weights; the paths written."""
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise GossipError(f"cannot create {out}: {_one_line(err)}") from None
     paths = []
-    for name, fn in PLOTS.items():
+    figures = dict(PLOTS)
+    if any(mixture_weights(run) is not None for run in runs):
+        figures["mixture_weights_vs_round"] = plot_mixture_weights
+    for name, fn in figures.items():
         path = out / f"{name}.png"
         fig = fn(runs)
         try:

@@ -167,6 +167,32 @@ def test_curves_equal_metrics(two_runs):
     assert set(flat.get_ydata()) == {rows[1][-1]["test_accuracy"]}
 
 
+def test_mixture_weights_plot_only_for_mixtures(two_runs, tmp_path, capsys):
+    """The mixture-weight curves equal the metrics, one per component and run; the PNG is
+    written only when some run has mixture weights."""
+    out = tmp_path / "no_mixture"
+    assert main(["plot", *map(str, two_runs), "--out", str(out)]) == 0
+    assert not (out / "mixture_weights_vs_round.png").exists()
+
+    fedem = write_run(tmp_path / "runs", "fedem", "fedem")
+    lines = (fedem / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(x) for x in lines]
+    for t, row in enumerate(rows):  # component 1 dies out
+        row["mixture_weights"] = [0.4 + 0.1 * t, 0.3 - 0.1 * t, 0.3]
+    (fedem / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    runs = [plots.load_run(p) for p in (fedem, two_runs[1])]
+    fig = plots.plot_mixture_weights(runs)
+    for m in range(3):
+        line = _line(fig, f"0:mixture_weights:{m}")
+        np.testing.assert_array_equal(line.get_xdata(), [r["round"] for r in rows])
+        np.testing.assert_allclose(line.get_ydata(), [r["mixture_weights"][m] for r in rows])
+    assert not [ln for ln in fig.axes[0].get_lines() if ln.get_gid().startswith("1:")]
+    out = tmp_path / "mixture"
+    assert main(["plot", str(fedem), str(two_runs[1]), "--out", str(out)]) == 0
+    _assert_png(out / "mixture_weights_vs_round.png")
+    assert str(out / "mixture_weights_vs_round.png") in capsys.readouterr().out
+
+
 def test_default_labels_and_histogram_source(two_runs, tmp_path):
     runs = [plots.load_run(p) for p in two_runs]
     assert plots.default_labels(runs) == ["dfedem", "local"]
