@@ -236,3 +236,49 @@ def test_mixture_usage_in_metrics(tmp_path):
     assert summary["mixture_weights"] == row["mixture_weights"]
     fedavg = Trainer(cfg_for(tmp_path / "avg", "fedavg", components=1), toy_dataset(6), log=quiet)
     assert "mixture_weights" not in fedavg.run()
+
+
+@pytest.mark.parametrize("cap", [4.0, 1.5])
+def test_normalized_component_steps_equal_direct_em(tmp_path, cap):
+    """component_steps: normalized on one client with full batches: each gradient M-step of
+    component m is scaled by (1/M) / pi_m (this round's E-step), clipped to [1/cap, cap].
+    Recomputed directly; random initial pi makes the masses unequal from the start."""
+    data = toy_dataset(1)
+    client = data.clients[0]
+    n = len(client.y_train)
+    cfg = cfg_for(tmp_path, batch_size=n, local_steps=2, rounds=4, pi_init="random",
+                  component_steps="normalized", component_step_cap=cap)  # fmt: skip
+    trainer = Trainer(cfg, dataset=data, log=quiet)
+    pi = trainer.personal["pi"][0].double().clone()
+    for t in range(cfg.rounds):
+        trainer.local_work(t)
+        trainer.mix(t)
+
+    layout = ParamLayout(Linear((5,), 1))
+    theta = init_components(lambda: Linear((5,), 1), layout, 3, cfg.seed).double()
+    x = torch.as_tensor(client.x_train, dtype=torch.float64)
+    y = torch.as_tensor(client.y_train, dtype=torch.float64)
+
+    def losses(th):
+        logits = x @ th[:, :5].T + th[:, 5]
+        return F.binary_cross_entropy_with_logits(logits.T, y.expand(3, n), reduction="none")
+
+    scales = []
+    for _ in range(cfg.rounds):
+        q = torch.softmax(torch.log(pi)[:, None] - losses(theta), dim=0)
+        pi = q.mean(1)
+        scale = ((1 / 3) / pi).clamp(1 / cap, cap)
+        scales.append(scale)
+        for _ in range(2):
+            th = theta.clone().requires_grad_(True)
+            (g,) = torch.autograd.grad((q * losses(th)).sum() / n, th)
+            theta = theta - cfg.algorithm.lr * scale[:, None] * g
+    assert max(float(s.max() / s.min()) for s in scales) > 1.2  # the scaling did something
+    np.testing.assert_allclose(trainer.shared_parameters()[0], theta.numpy(), rtol=1e-4, atol=1e-5)
+
+
+def test_component_steps_config_errors(tmp_path):
+    with pytest.raises(GossipError, match="algorithm.component_steps"):
+        cfg_for(tmp_path, component_steps="mass")
+    with pytest.raises(GossipError, match="algorithm.component_step_cap"):
+        cfg_for(tmp_path, component_step_cap=0.5)
