@@ -57,10 +57,6 @@ class AlgorithmConfig:
     #: (the mix weights neighbour j by n_j: sum_j W_ij n_j theta_j / sum_j W_ij n_j) | none
     client_weighting: str = "step"
     pi_init: str = "uniform"  #: mixture weights at start: uniform (released code) | random
-    #: plain (Alg. 2/4) | normalized: component m's gradient x (1/M) / its global mass
-    #: sum_t n_t pi_tm / n, clipped to [1/cap, cap], so a rarely chosen component still learns
-    component_steps: str = "plain"
-    component_step_cap: float = 4.0
 
 
 @dataclass
@@ -226,12 +222,6 @@ def validate(cfg: RunConfig) -> None:
             "must be step|gossip|none",
         ),
         (a.pi_init in ("uniform", "random"), "algorithm.pi_init", "must be uniform|random"),
-        (
-            a.component_steps in ("plain", "normalized"),
-            "algorithm.component_steps",
-            "must be plain|normalized",
-        ),
-        (a.component_step_cap >= 1, "algorithm.component_step_cap", "must be >= 1"),
         (all(0 < f < 1 for f in a.lr_decay), "algorithm.lr_decay", "fractions must be in (0, 1)"),
         (cfg.eval.every >= 1, "eval.every", "must be >= 1"),
         (cfg.eval.unseen_em in ("converge", "one_step"), "eval.unseen_em", "converge|one_step"),

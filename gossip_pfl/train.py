@@ -161,7 +161,6 @@ class Trainer:
         self.cluster_rule = None
         if self.spec.topology == "clusters":
             self.cluster_rule = ClusteredRule(n, a.tol1, a.tol2)
-        self.component_scale = None  # component_steps: normalized (see local_work)
         self.times = {"local": 0.0, "exchange": 0.0}
         self.round = 0
         self.model_bytes = 0  # peer-to-peer traffic of the schedule (see mix)
@@ -176,7 +175,6 @@ class Trainer:
         self.personal, q = self.surrogate.begin_round(self, theta, self.personal, self.train.mask)
         a = self.cfg.algorithm
         factor = 0.1 ** sum(t >= f * self.cfg.rounds for f in a.lr_decay)
-        self.component_scale = self.component_step_scale()
         self.local_steps(theta, q, self.opt_state, t, a.local_epochs, a.local_steps, factor)
         self._check_finite(t, theta)
 
@@ -210,29 +208,7 @@ class Trainer:
             if q is not None:
                 sw = torch.gather(q[sel], 2, b_idx[:, None, :].expand(-1, self.M, -1)) * sw
             grad = self.surrogate.shared_grad(self, theta[sel], personal, rows, x, y, sw)
-            self.solver.step(
-                theta, grad, opt_state, sel, self.lr_scale, factor, anchor, self.component_scale
-            )
-
-    def component_step_scale(self) -> torch.Tensor | None:
-        """``component_steps: normalized``: (M,) multipliers (1/M) / mass_m, clipped to
-        [1/cap, cap], with mass_m = sum_t n_t pi_tm / n over all peers (this round's E-step).
-
-        A component's q-weighted loss, and so its step, shrinks with the share of samples it
-        is responsible for: a component that starts out slightly worse learns slower, loses
-        more responsibility and dies out (seen on Fashion-MNIST). An exact M-step would
-        minimize sum_i q_im l_i whatever its scale; dividing the gradient by the component's
-        mass gives each component the step size of a model trained on its own samples. The
-        masses are M numbers summed over ranks (one small all-reduce)."""
-        a = self.cfg.algorithm
-        pi = self.personal.get("pi")
-        if a.component_steps != "normalized" or pi is None or self.M == 1:
-            return None
-        counts = torch.as_tensor(self.counts, dtype=torch.float64, device=self.device)
-        mass = self.comm.all_reduce_sum((pi.double() * counts[:, None]).sum(0))
-        mass = mass / float(self.sizes.sum())
-        scale = (1.0 / self.M) / mass.clamp_min(1e-12)
-        return scale.clamp(1.0 / a.component_step_cap, a.component_step_cap).to(pi.dtype)
+            self.solver.step(theta, grad, opt_state, sel, self.lr_scale, factor, anchor)
 
     def mix(self, t: int) -> None:
         """Exchange with neighbours and mix the shared state through W_t's phases."""

@@ -42,13 +42,12 @@ class LocalSGD:
         lr_scale: torch.Tensor,
         lr_factor: float = 1.0,
         anchor: torch.Tensor | None = None,
-        component_scale: torch.Tensor | None = None,
     ) -> None:
         """One in-place step on the peers ``rows`` (indices into theta's first axis, or a
         slice); ``grad`` holds their gradients in that order. ``lr_scale`` (L,) is a per-peer
-        multiplier; ``component_scale`` (M,) multiplies each component's gradient."""
+        multiplier."""
         p = theta[rows]
-        g = grad if component_scale is None else grad * component_scale[None, :, None]
+        g = grad
         if self.weight_decay:
             g = g + self.weight_decay * p
         if self.prox_mu and anchor is not None:
