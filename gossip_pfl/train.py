@@ -153,8 +153,7 @@ class Trainer:
         self.lr_scale = torch.as_tensor(scale, dtype=torch.float32, device=self.device)
         # ... or the gossip weights neighbours by sample count (see mix): the server's n_t / n
         # average on a complete graph, without the large steps that destabilize momentum SGD.
-        gossip_weights = decentral and a.client_weighting == "gossip"
-        self.mix_sizes = sizes.astype(np.float64) if gossip_weights else None
+        self.gossip_by_size = decentral and a.client_weighting == "gossip"
         self.forward.check(self.nodes[:L], self.train.x)
         self.exchanger = Exchanger(self.placement, self.comm)
         self.sizes = sizes
@@ -223,8 +222,8 @@ class Trainer:
             key = (t % period, k) if period else None
             # double buffering: the previous state becomes the next output (no fresh pages)
             spare = self._spare if self._spare is not None else torch.empty_like(flat)
-            if self.mix_sizes is not None:
-                phase = weight_by_size(phase, self.mix_sizes)
+            if self.gossip_by_size:
+                phase = weight_by_size(phase, self.sizes)
             new = self.exchanger.mix(flat, self.exchanger.plan(phase, key), out=spare)
             self._spare, flat = flat, new
             # what the peers would send with one peer per machine, whatever the placement
