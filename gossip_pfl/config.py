@@ -57,6 +57,9 @@ class AlgorithmConfig:
     #: (the mix weights neighbour j by n_j: sum_j W_ij n_j theta_j / sum_j W_ij n_j) | none
     client_weighting: str = "step"
     pi_init: str = "uniform"  #: mixture weights at start: uniform (released code) | random
+    #: FedEM's local loss weights each component by (1 - eps) q + eps / M instead of q (pi is
+    #: still the mean of q): every component keeps learning a little from every sample
+    q_smoothing: float = 0.0
 
 
 @dataclass
@@ -222,6 +225,7 @@ def validate(cfg: RunConfig) -> None:
             "must be step|gossip|none",
         ),
         (a.pi_init in ("uniform", "random"), "algorithm.pi_init", "must be uniform|random"),
+        (0 <= a.q_smoothing <= 1, "algorithm.q_smoothing", "must be in [0, 1]"),
         (all(0 < f < 1 for f in a.lr_decay), "algorithm.lr_decay", "fractions must be in (0, 1)"),
         (cfg.eval.every >= 1, "eval.every", "must be >= 1"),
         (cfg.eval.unseen_em in ("converge", "one_step"), "eval.unseen_em", "converge|one_step"),

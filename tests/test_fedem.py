@@ -34,13 +34,15 @@ def cfg_for(tmp, algorithm="fedem", rounds=4, schedule=None, **algo):
     return load_config(base=base)
 
 
-def test_one_client_full_batch_equals_direct_em(tmp_path):
+@pytest.mark.parametrize("eps", [0.0, 0.3])
+def test_one_client_full_batch_equals_direct_em(eps, tmp_path):
     """One client, full batches, J gradient steps per round: FedEM is plain EM with gradient
-    M-steps. Recompute it directly with torch.nn.functional on the whole dataset."""
+    M-steps (with ``q_smoothing`` eps, on the loss weights (1 - eps) q + eps / M). Recompute
+    it directly with torch.nn.functional on the whole dataset."""
     data = toy_dataset(1)
     client = data.clients[0]
     n = len(client.y_train)
-    cfg = cfg_for(tmp_path, batch_size=n, local_steps=3, rounds=5)
+    cfg = cfg_for(tmp_path, batch_size=n, local_steps=3, rounds=5, q_smoothing=eps)
     trainer = Trainer(cfg, dataset=data, log=quiet)
     for t in range(cfg.rounds):
         trainer.local_work(t)
@@ -60,9 +62,10 @@ def test_one_client_full_batch_equals_direct_em(tmp_path):
     for _ in range(cfg.rounds):
         q = torch.softmax(torch.log(pi)[:, None] - losses(theta), dim=0)  # E-step
         pi = q.mean(1)
-        for _ in range(3):  # gradient M-steps on sum_i q_i loss_i / n
+        w = (1 - eps) * q + eps / 3
+        for _ in range(3):  # gradient M-steps on sum_i w_i loss_i / n
             th = theta.clone().requires_grad_(True)
-            (g,) = torch.autograd.grad((q * losses(th)).sum() / n, th)
+            (g,) = torch.autograd.grad((w * losses(th)).sum() / n, th)
             theta = theta - cfg.algorithm.lr * g
     np.testing.assert_allclose(trainer.shared_parameters()[0], theta.numpy(), rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(trainer.personal["pi"][0].numpy(), pi.numpy(), rtol=1e-4, atol=1e-6)
@@ -201,6 +204,8 @@ def test_bad_components_and_shape(tmp_path):
         cfg_for(tmp_path, components=0)
     with pytest.raises(GossipError, match="algorithm.pi_init.*uniform.random"):
         cfg_for(tmp_path, pi_init="dirichlet")
+    with pytest.raises(GossipError, match=r"algorithm.q_smoothing.*\[0, 1\]"):
+        cfg_for(tmp_path, q_smoothing=1.5)
     with pytest.raises(GossipError, match="algorithm.client_weighting.*step.gossip.none"):
         cfg_for(tmp_path, client_weighting="paper")
     cfg = cfg_for(tmp_path)

@@ -70,7 +70,9 @@ def test_placements_give_equal_parameters(schedule, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "options", [{}, {"pi_init": "random"}, {"client_weighting": "gossip"}], ids=str
+    "options",
+    [{}, {"pi_init": "random"}, {"client_weighting": "gossip"}, {"q_smoothing": 0.2}],
+    ids=str,
 )
 def test_dfedem_placements_equal(options, tmp_path):
     """The mixture (M = 3, private pi) on 1 rank and on 4 Gloo ranks; random initial pi is drawn

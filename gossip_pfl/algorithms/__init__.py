@@ -53,7 +53,7 @@ def build_surrogate(cfg, spec: AlgorithmSpec, components: int, task: str):
     if cfg.algorithm.name == "apfl":
         alpha_lr = a.alpha_lr if a.alpha_lr is not None else personal_lr
         return APFLSurrogate(1, task, a.batch_size, a.alpha, personal_lr, alpha_lr)
-    return MixtureSurrogate(components, task, a.batch_size, a.pi_init, cfg.seed)
+    return MixtureSurrogate(components, task, a.batch_size, a.pi_init, cfg.seed, a.q_smoothing)
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:

@@ -26,6 +26,7 @@ class MixtureSurrogate:
     batch_size: int
     pi_init: str = "uniform"  #: uniform (the released code) | random (the paper's Alg. 2/4)
     seed: int = 0
+    q_smoothing: float = 0.0  #: eps: loss weights (1 - eps) q + eps / M; pi from the plain q
 
     def init_personal(self, peers: np.ndarray, theta0: torch.Tensor) -> dict[str, torch.Tensor]:
         """Mixture weights pi (L, M) of the peers with ids ``peers``: uniform, as the released
@@ -61,7 +62,10 @@ class MixtureSurrogate:
 
         ``losses`` (L, M, N) is every training sample's loss under each component held before
         the local update; ``mask`` (L, N) marks real samples. Returns the new personal state and
-        the responsibilities q (L, M, N) that weight the local solver's loss.
+        the responsibilities q (L, M, N) that weight the local solver's loss, smoothed towards
+        1 / M by ``q_smoothing``: a pure EM step lets a component learn nothing from samples
+        another explains better, so on inputs it rarely won it stays confidently wrong, which
+        costs clients whose pi spreads over several components (README, Fashion-MNIST).
         """
         pi = personal["pi"]
         # q = softmax_m(log pi_m - loss_m): log-sum-exp keeps huge losses finite (no NaN).
@@ -69,6 +73,8 @@ class MixtureSurrogate:
         q = q * mask[:, None, :]
         counts = mask.sum(-1, keepdim=True)
         new_pi = torch.where(counts > 0, q.sum(-1) / counts.clamp_min(1), pi)
+        if self.q_smoothing:
+            q = (1 - self.q_smoothing) * q + (self.q_smoothing / self.components) * mask[:, None, :]
         return {**personal, "pi": new_pi}, q
 
     def predict(self, logits: torch.Tensor, personal: dict) -> torch.Tensor:
