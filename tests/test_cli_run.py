@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from gossip_pfl.cli import main
 
 
@@ -13,6 +15,7 @@ def test_demo_run_prints_results_table(tmp_path, capsys):
     out = capsys.readouterr().out
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert "results (dfedem" in out
+    assert summary["torch_threads"] == torch.get_num_threads()
     table = dict(line.split(None, 1) for line in out.splitlines() if line.startswith("  "))
     assert float(table["test_accuracy"]) == round(summary["test_accuracy"], 4)
     weights = [float(w) for w in table["mixture_weights"].split()]
