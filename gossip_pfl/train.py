@@ -469,14 +469,19 @@ class Trainer:
         """Each component's mean mixture weight over the training peers, and how many peers
         put their largest weight on it: a component dying out or taking over every client
         shows here (empty without mixture weights)."""
-        pi = self.personal.get("pi")
-        if pi is None or self.M == 1:
+        pi = self.gathered_pi()
+        if pi is None:
             return {}
-        full = self.gather([pi[:, m] for m in range(self.M)], self.peers, self.n_peers)  # (M, n)
         return {
-            "mixture_weights": [round(float(w), 5) for w in full.mean(1)],
-            "mixture_leaders": np.bincount(full.argmax(0), minlength=self.M).tolist(),
+            "mixture_weights": [round(float(w), 5) for w in pi.mean(0)],
+            "mixture_leaders": np.bincount(pi.argmax(1), minlength=self.M).tolist(),
         }
+
+    def gathered_pi(self) -> np.ndarray | None:
+        """Every training peer's mixture weights (n, M), on every rank; None for one model."""
+        if self.M == 1 or "pi" not in self.personal:
+            return None
+        return self.gather(list(self.personal["pi"].T), self.peers, self.n_peers).T
 
     def traffic(self) -> dict:
         """Traffic so far: ``model_bytes`` as if every peer were its own machine (the
@@ -504,7 +509,7 @@ class Trainer:
         if not np.all(np.asarray(true_pi).max(1) == 1.0):
             return None
         truth = np.asarray(true_pi).argmax(1)
-        pi = self.gather(list(self.personal["pi"].T), self.peers, self.n_peers).T  # (n, M)
+        pi = self.gathered_pi()
         truth = truth[self.train_ids]
         guess = pi.argmax(1)
         k = max(self.M, int(truth.max()) + 1)
