@@ -3,7 +3,12 @@
 Compares, per gossip round (median over repeats, measured in one run):
   * the runtime's Exchanger.mix (plan, fused buffers, batch_isend_irecv, sparse mix),
   * a bare dist.batch_isend_irecv of the same bytes with both ring neighbours,
-  * dist.all_reduce of the same buffer.
+  * dist.all_reduce of the same buffer,
+  * the mixing arithmetic alone (no exchange; every rank at once, as in a round), and the
+    least memory traffic any mix has (read the own and the two received rows, write one),
+and how busy the machine's cores are during the bare exchange (processes' CPU seconds over
+wall seconds times cores): when the copies through loopback already keep the cores busy, the
+mixing arithmetic cannot hide behind them and adds to the round.
 Goal (issue 3): runtime <= 1.1 x bare p2p, and below all_reduce.
 
     python benchmarks/bench_exchange.py [--params 10000000] [--ranks 4] [--repeats 10]
@@ -17,6 +22,7 @@ import os
 import socket
 import statistics
 import time
+from queue import Empty
 
 import numpy as np
 
@@ -69,24 +75,42 @@ def _worker(rank: int, world: int, port: int, params: int, repeats: int, queue) 
             w.wait()
 
     buf = state[0].clone()
+    received, w_recv = torch.randn(2, params), torch.full((1, 2), 1 / 3)
+
+    def mix_only():  # what Exchanger.mix computes for this rank, without the exchange
+        torch.mul(state, 1 / 3, out=spare)
+        spare.addmm_(w_recv, received)
+
+    def traffic_floor():  # the bytes any mix moves: read 3 x 40 MB, write 40 MB
+        spare.copy_(state)
+        received[0].sum()
+        received[1].sum()
 
     def allreduce():
         dist.all_reduce(buf)
 
     results = {}
-    cases = (("bare", bare), ("comm", ours_comm), ("ours", ours), ("allreduce", allreduce))
+    cpu = {}  # this process's CPU seconds and the wall seconds, per case
+    cases = (
+        ("bare", bare), ("comm", ours_comm), ("ours", ours), ("allreduce", allreduce),
+        ("mix", mix_only), ("floor", traffic_floor),
+    )  # fmt: skip
     for name, fn in cases * 2:
         fn()
         dist.barrier()
         times = []
+        c0, w0 = os.times(), time.perf_counter()
         for _ in range(repeats):
             dist.barrier()
             t0 = time.perf_counter()
             fn()
             times.append(time.perf_counter() - t0)
+        c1, w1 = os.times(), time.perf_counter()
+        busy = (c1.user - c0.user) + (c1.system - c0.system)
+        prev = cpu.get(name, (0.0, 0.0))
+        cpu[name] = (prev[0] + busy, prev[1] + w1 - w0)
         results.setdefault(name, []).extend(times)
-    if rank == 0:
-        queue.put({k: statistics.median(v) for k, v in results.items()})
+    queue.put((rank, {k: statistics.median(v) for k, v in results.items()}, cpu))
     comm.close()
 
 
@@ -107,9 +131,21 @@ def main() -> None:
     ]
     for p in procs:
         p.start()
-    med = queue.get(timeout=600)
+    reports = {}
+    while len(reports) < args.ranks:  # a worker that dies must not leave us waiting
+        try:
+            rank, med, cpu = queue.get(timeout=5)
+            reports[rank] = (med, cpu)
+        except Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise SystemExit(f"bench_exchange: a worker exited with code {dead[0]}") from None
     for p in procs:
         p.join()
+    med = reports[0][0]
+    cores = os.cpu_count() or 1
+    busy = sum(cpu["bare"][0] for _, cpu in reports.values())
+    wall = max(cpu["bare"][1] for _, cpu in reports.values())
     mb = args.params * 4 / 1e6
     print(
         f"# ring of {args.ranks} Gloo ranks, {args.params:,} float32 params ({mb:.0f} MB), "
@@ -121,8 +157,11 @@ def main() -> None:
         ("comm", "runtime Exchanger.exchange (bytes only)"),
         ("ours", "runtime Exchanger.mix (exchange + mix)"),
         ("allreduce", "dist.all_reduce (same buffer)"),
+        ("mix", "mixing arithmetic alone (no exchange)"),
+        ("floor", "its memory traffic (copy + 2 sums)"),
     ):
         print(f"{label:<40} {med[name]:>9.4f} {med[name] / med['bare']:>8.2f}")
+    print(f"# cores busy during the bare exchange: {busy / (wall * cores):.0%} of {cores}")
 
 
 if __name__ == "__main__":

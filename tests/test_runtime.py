@@ -12,9 +12,12 @@ from _helpers import run_ranks, toy_dataset
 
 from gossip_pfl.config import load_config
 from gossip_pfl.errors import GossipError
+from gossip_pfl.runtime import exchange
+from gossip_pfl.runtime.comm import Pending
 from gossip_pfl.runtime.placement import Placement
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout
 from gossip_pfl.train import Trainer
+from topologies import Phase
 
 SCHEDULES = {
     "ring": {"graph": "ring", "weights": "max_degree"},
@@ -151,6 +154,51 @@ def test_placement_arithmetic():
     assert p.owner(np.arange(10)).tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 3, 3]
     assert p.nodes(11).tolist() == [0, 1, 2, 10]  # the aggregating hub lives on rank 0
     assert Placement(10, 4, rank=1).nodes(11).tolist() == [3, 4, 5]
+
+
+class _PostedComm:
+    """A stand-in for the process group inside one process: every rank's sends are posted
+    first, then each rank's receives are filled from them."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, rank: int, posted: dict):
+        self.rank, self.posted = rank, posted
+
+    def exchange(self, sends, recvs):
+        for src, buf in recvs.items():
+            buf.copy_(self.posted[src, self.rank])
+        return Pending({}, [], self.rank)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_every_rank_plan_reproduces_the_dense_product(world, sparse, monkeypatch):
+    """Each rank's sends, receive buffer and two mixing blocks give its rows of W @ X, for a
+    random sparse W with an aggregating hub node (on rank 0), dense or sparse blocks."""
+    monkeypatch.setattr(exchange, "DENSE_BLOCK_LIMIT", 0 if sparse else 10**6)
+    n_peers, size, d = 11, 12, 5
+    rng = np.random.default_rng(world)
+    w = rng.random((size, size)) * (rng.random((size, size)) < 0.3)
+    w[5] = 0.0  # a node with no row keeps its value
+    phase = Phase.from_dense(w)
+    x = torch.as_tensor(rng.standard_normal((size, d)))
+    placements = [Placement(n_peers, world, r) for r in range(world)]
+    plans = [exchange.plan_phase(phase, p, torch.device("cpu")) for p in placements]
+    states = [x[p.nodes(size)] for p in placements]
+    posted = {(r, dst): states[r][idx] for r in range(world) for dst, idx in plans[r].sends.items()}
+    expected = torch.as_tensor(phase.dense()) @ x
+    for r, p in enumerate(placements):
+        ex = exchange.Exchanger(p, _PostedComm(r, posted))
+        mixed = ex.mix(states[r], plans[r])
+        torch.testing.assert_close(mixed, expected[p.nodes(size)])
+        assert ex.messages_sent == len(plans[r].sends)
+    # every row a rank receives is one some rank sent it, and no rank sends to itself
+    for r in range(world):
+        assert sum(len(posted[src, r]) for src in plans[r].recv_counts) == sum(
+            plans[r].recv_counts.values()
+        )
+        assert r not in plans[r].sends
 
 
 @pytest.mark.parametrize("world", [0, 9])

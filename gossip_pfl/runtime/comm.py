@@ -76,20 +76,19 @@ class TorchComm:
 
 @dataclass
 class Pending:
-    """Exchange in flight: wait for one received buffer at a time, then for the sends."""
+    """Exchange in flight: the caller computes while the bytes move, then waits for them."""
 
     recv_works: dict
     send_works: list
     rank: int
 
-    def wait_recv(self, peer: int) -> None:
-        try:
-            if peer in self.recv_works:
-                self.recv_works[peer].wait()
-        except RuntimeError as err:  # a dead or hung peer: Gloo/NCCL raise after the timeout
-            raise _lost(self.rank, [peer], err) from None
-
-    def wait_sends(self) -> None:
+    def wait_all(self) -> None:
+        """Wait until every receive has landed and every send has left."""
+        for peer, work in self.recv_works.items():
+            try:
+                work.wait()
+            except RuntimeError as err:  # a dead or hung peer: Gloo/NCCL raise after the timeout
+                raise _lost(self.rank, [peer], err) from None
         try:
             for work in self.send_works:
                 work.wait()
