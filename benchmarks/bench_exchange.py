@@ -59,6 +59,9 @@ def _worker(rank: int, world: int, port: int, params: int, repeats: int, queue) 
     def ours():  # as the trainer does it: the output goes into a reused buffer
         exchanger.mix(state, exchanger.plan(phase, key=0), out=spare)
 
+    def ours_replanned():  # a time-varying schedule: a new plan every round
+        exchanger.mix(state, exchanger.plan(phase), out=spare)
+
     def ours_comm():
         exchanger.exchange(state, exchanger.plan(phase, key=0))
 
@@ -92,7 +95,8 @@ def _worker(rank: int, world: int, port: int, params: int, repeats: int, queue) 
     results = {}
     cpu = {}  # this process's CPU seconds and the wall seconds, per case
     cases = (
-        ("bare", bare), ("comm", ours_comm), ("ours", ours), ("allreduce", allreduce),
+        ("bare", bare), ("comm", ours_comm), ("ours", ours), ("replanned", ours_replanned),
+        ("allreduce", allreduce),
         ("mix", mix_only), ("floor", traffic_floor),
     )  # fmt: skip
     for name, fn in cases * 2:
@@ -156,6 +160,7 @@ def main() -> None:
         ("bare", "bare batch_isend_irecv (2 neighbours)"),
         ("comm", "runtime Exchanger.exchange (bytes only)"),
         ("ours", "runtime Exchanger.mix (exchange + mix)"),
+        ("replanned", "  the same, planned anew every round"),
         ("allreduce", "dist.all_reduce (same buffer)"),
         ("mix", "mixing arithmetic alone (no exchange)"),
         ("floor", "its memory traffic (copy + 2 sums)"),

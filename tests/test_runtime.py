@@ -174,31 +174,30 @@ class _PostedComm:
 @pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("world", [1, 3, 4])
 def test_every_rank_plan_reproduces_the_dense_product(world, sparse, monkeypatch):
-    """Each rank's sends, receive buffer and two mixing blocks give its rows of W @ X, for a
-    random sparse W with an aggregating hub node (on rank 0), dense or sparse blocks."""
+    """Each rank's sends, receive buffer and two mixing blocks give its rows of W @ X, for
+    random sparse W with an aggregating hub node (on rank 0), dense or sparse blocks, over a
+    sequence of phases that receive more or fewer rows (the receive buffer is reused)."""
     monkeypatch.setattr(exchange, "DENSE_BLOCK_LIMIT", 0 if sparse else 10**6)
     n_peers, size, d = 11, 12, 5
     rng = np.random.default_rng(world)
-    w = rng.random((size, size)) * (rng.random((size, size)) < 0.3)
-    w[5] = 0.0  # a node with no row keeps its value
-    phase = Phase.from_dense(w)
-    x = torch.as_tensor(rng.standard_normal((size, d)))
     placements = [Placement(n_peers, world, r) for r in range(world)]
-    plans = [exchange.plan_phase(phase, p, torch.device("cpu")) for p in placements]
-    states = [x[p.nodes(size)] for p in placements]
-    posted = {(r, dst): states[r][idx] for r in range(world) for dst, idx in plans[r].sends.items()}
-    expected = torch.as_tensor(phase.dense()) @ x
-    for r, p in enumerate(placements):
-        ex = exchange.Exchanger(p, _PostedComm(r, posted))
-        mixed = ex.mix(states[r], plans[r])
-        torch.testing.assert_close(mixed, expected[p.nodes(size)])
-        assert ex.messages_sent == len(plans[r].sends)
-    # every row a rank receives is one some rank sent it, and no rank sends to itself
-    for r in range(world):
-        assert sum(len(posted[src, r]) for src in plans[r].recv_counts) == sum(
-            plans[r].recv_counts.values()
-        )
-        assert r not in plans[r].sends
+    exchangers = [exchange.Exchanger(p, _PostedComm(r, {})) for r, p in enumerate(placements)]
+    for density in (0.3, 0.1, 0.6, 0.3):
+        w = rng.random((size, size)) * (rng.random((size, size)) < density)
+        w[5] = 0.0  # a node with no row keeps its value
+        phase = Phase.from_dense(w)
+        x = torch.as_tensor(rng.standard_normal((size, d)))
+        plans = [exchange.plan_phase(phase, p, torch.device("cpu")) for p in placements]
+        states = [x[p.nodes(size)] for p in placements]
+        posted = {(r, dst): states[r][i] for r in range(world) for dst, i in plans[r].sends.items()}
+        expected = torch.as_tensor(phase.dense()) @ x
+        for r, (p, ex) in enumerate(zip(placements, exchangers)):
+            ex.comm.posted, sent = posted, ex.messages_sent
+            torch.testing.assert_close(ex.mix(states[r], plans[r]), expected[p.nodes(size)])
+            assert ex.messages_sent - sent == len(plans[r].sends)
+            assert r not in plans[r].sends
+            for src, k in plans[r].recv_counts.items():  # what r receives is what src sends it
+                assert len(posted[src, r]) == k
 
 
 @pytest.mark.parametrize("world", [0, 9])
