@@ -177,7 +177,8 @@ def test_every_rank_plan_reproduces_the_dense_product(world, sparse, monkeypatch
     """Each rank's sends, receive buffer and two mixing blocks give its rows of W @ X, for
     random sparse W with an aggregating hub node (on rank 0), dense or sparse blocks, over a
     sequence of phases that receive more or fewer rows (the receive buffer is reused)."""
-    monkeypatch.setattr(exchange, "DENSE_BLOCK_LIMIT", 0 if sparse else 10**6)
+    monkeypatch.setattr(exchange, "DENSE_BLOCK_ENTRIES", 0 if sparse else 10**6)
+    monkeypatch.setattr(exchange, "DENSE_BLOCK_FILL", 2.0)  # a quarter-full block stays sparse
     n_peers, size, d = 11, 12, 5
     rng = np.random.default_rng(world)
     placements = [Placement(n_peers, world, r) for r in range(world)]
@@ -192,6 +193,7 @@ def test_every_rank_plan_reproduces_the_dense_product(world, sparse, monkeypatch
         posted = {(r, dst): states[r][i] for r in range(world) for dst, i in plans[r].sends.items()}
         expected = torch.as_tensor(phase.dense()) @ x
         for r, (p, ex) in enumerate(zip(placements, exchangers)):
+            assert (plans[r].own.layout == torch.strided) != sparse
             ex.comm.posted, sent = posted, ex.messages_sent
             torch.testing.assert_close(ex.mix(states[r], plans[r]), expected[p.nodes(size)])
             assert ex.messages_sent - sent == len(plans[r].sends)
