@@ -76,7 +76,7 @@ def main() -> None:
         torch.addmm(out, csr, state, beta=0, out=out)
 
     rows = [
-        ("bare torch.sparse.mm (new tensor)", lambda: torch.sparse.mm(w, state)),
+        ("bare torch.sparse.mm, CSR (new tensor)", lambda: torch.sparse.mm(csr, state)),
         ("bare torch.addmm, CSR (into a buffer)", addmm),
         ("runtime mixing step (plan cached, period 1)", runtime_step),
         ("runtime mixing step (plan rebuilt)", runtime_step_uncached),

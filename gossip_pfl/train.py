@@ -220,8 +220,9 @@ class Trainer:
             return
         for k, phase in enumerate(phases):
             key = (t % period, k) if period else None
-            # double buffering: the previous state becomes the next output (no fresh pages)
-            spare = self._spare if self._spare is not None else torch.empty_like(flat)
+            # double buffering: the previous state becomes the next output (no fresh pages);
+            # the first one is zeros, not garbage, in case a kernel reads it despite beta = 0
+            spare = self._spare if self._spare is not None else torch.zeros_like(flat)
             if self.gossip_by_size:
                 phase = weight_by_size(phase, self.sizes)
             new = self.exchanger.mix(flat, self.exchanger.plan(phase, key), out=spare)

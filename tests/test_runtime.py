@@ -168,7 +168,7 @@ class _PostedComm:
     def exchange(self, sends, recvs):
         for src, buf in recvs.items():
             buf.copy_(self.posted[src, self.rank])
-        return Pending({}, [], self.rank)
+        return Pending([], sorted(recvs), self.rank)
 
 
 @pytest.mark.parametrize("sparse", [False, True])

@@ -26,7 +26,7 @@ class LocalComm:
     def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]):
         if sends or recvs:
             raise RuntimeError("LocalComm cannot exchange with other ranks")
-        return Pending({}, [], self.rank)
+        return Pending([], [], self.rank)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
@@ -50,14 +50,14 @@ class TorchComm:
         ``Pending`` so the caller can compute while the bytes move."""
         ops = [dist.P2POp(dist.isend, buf, peer) for peer, buf in sends.items()]
         ops += [dist.P2POp(dist.irecv, buf, peer) for peer, buf in recvs.items()]
+        peers = sorted(set(sends) | set(recvs))
         if not ops:
-            return Pending({}, [], self.rank)  # no edge to another rank this round
+            return Pending([], peers, self.rank)  # no edge to another rank this round
         try:
             works = dist.batch_isend_irecv(ops)
         except RuntimeError as err:
-            raise _lost(self.rank, sorted(set(sends) | set(recvs)), err) from None
-        recv_works = dict(zip(recvs, works[len(sends) :]))
-        return Pending(recv_works, works[: len(sends)], self.rank)
+            raise _lost(self.rank, peers, err) from None
+        return Pending(works, peers, self.rank)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         try:
@@ -76,24 +76,23 @@ class TorchComm:
 
 @dataclass
 class Pending:
-    """Exchange in flight: the caller computes while the bytes move, then waits for them."""
+    """Exchange in flight: the caller computes while the bytes move, then waits for them.
 
-    recv_works: dict
-    send_works: list
+    ``works`` are what ``batch_isend_irecv`` returned: one per operation under Gloo, one for
+    the whole batch under NCCL, so only waiting for all of them says that every buffer landed.
+    """
+
+    works: list
+    peers: list[int]  # the ranks this exchange talks to, named when it fails
     rank: int
 
     def wait_all(self) -> None:
         """Wait until every receive has landed and every send has left."""
-        for peer, work in self.recv_works.items():
-            try:
-                work.wait()
-            except RuntimeError as err:  # a dead or hung peer: Gloo/NCCL raise after the timeout
-                raise _lost(self.rank, [peer], err) from None
         try:
-            for work in self.send_works:
+            for work in self.works:
                 work.wait()
-        except RuntimeError as err:
-            raise _lost(self.rank, [], err) from None
+        except RuntimeError as err:  # a dead or hung peer: Gloo/NCCL raise after the timeout
+            raise _lost(self.rank, self.peers, err) from None
 
 
 def _lost(rank: int, peers: list[int], err: BaseException) -> GossipError:
