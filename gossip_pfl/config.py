@@ -75,7 +75,7 @@ class RuntimeConfig:
     backend: str = "auto"  #: auto | gloo | nccl
     batching: str = "auto"  #: auto | vmap | loop
     timeout_s: float = 300.0  #: a rank waits this long for a dead peer before failing
-    metrics_every: int = 1  #: consensus distance every k rounds (an all_reduce of the model)
+    metrics_every: int = 1  #: ignored, kept so older run configs load (metrics follow eval.every)
     step_chunk: int = 0  #: samples per forward in a local step, all peers (0: model's hint or all)
 
 

@@ -187,16 +187,22 @@ class Trainer:
             self.counts, self.train_ids[self.peers], self.cfg.seed, t, a.batch_size, epochs, steps,
             stream,
         )  # fmt: skip
+        # Only the peers still in their epoch take part in a step (small peers finish early),
+        # and its batch is cut to the longest real one: padding is front-to-back, and costs.
+        # Worked out on the host and uploaded once per round: on a GPU a per-step nonzero()
+        # would stop the host at every step.
+        filled = weight.sum(-1)  # (S, L) real samples of each peer's batch at step s
+        widths = filled.max(-1).astype(np.int64).tolist()
+        active = [np.flatnonzero(f > 0) for f in filled]
+        ends = np.cumsum([len(a) for a in active]).tolist()
+        all_rows = np.concatenate(active or [np.empty(0, dtype=np.int64)])
+        all_rows = torch.as_tensor(all_rows, device=self.device)
         idx = torch.as_tensor(idx, device=self.device)
         weight = torch.as_tensor(weight, device=self.device)
-        filled = weight.sum(-1)  # (S, L) real samples of each peer's batch at step s
-        widths = filled.max(-1).values.long().tolist()
         anchor = theta.clone() if self.solver.prox_mu else None
         q = q.expand(L, self.M, -1) if q is not None else None
         for s in range(idx.shape[0]):
-            # Only the peers still in their epoch take part (small peers finish early), and
-            # the batch is cut to the longest real one: padding is front-to-back, and costs.
-            rows = (filled[s] > 0).nonzero()[:, 0]
+            rows = all_rows[ends[s] - len(active[s]) : ends[s]]
             # every peer in the step (the big early ones): a slice makes theta, q and the
             # optimizer state views instead of copies
             sel = slice(None) if len(rows) == L else rows
@@ -303,7 +309,8 @@ class Trainer:
         """Rows computed on each rank -> (len(values), total) array on every rank."""
         full = torch.zeros(len(values), total, dtype=torch.float64, device=self.device)
         for k, v in enumerate(values):
-            full[k, torch.as_tensor(positions, device=self.device)] = v.double()
+            # long even when empty: a rank holding no unseen client passes []
+            full[k, torch.as_tensor(positions, dtype=torch.long, device=self.device)] = v.double()
         return self.comm.all_reduce_sum(full).cpu().numpy()
 
     def evaluate(self, split: PaddedSplit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -322,6 +329,13 @@ class Trainer:
         theta = self.surrogate.eval_state(theta, personal)
         nll, acc = self.scores(split, theta, personal)
         return tuple(self.gather([nll, acc, split.counts], self.peers, self.n_peers))
+
+    def _clock(self) -> float:
+        """perf_counter once the device has finished its queued work: CUDA kernels and NCCL
+        transfers run asynchronously, and would otherwise be charged to the next phase."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _check_finite(self, t: int, theta: torch.Tensor) -> None:
         bad = (~torch.isfinite(theta.view(theta.shape[0], -1))).any(-1)
@@ -355,9 +369,9 @@ class Trainer:
             self.round = t
             t0 = time.perf_counter()
             self.local_work(t)
-            t1 = time.perf_counter()
+            t1 = self._clock()
             self.mix(t)
-            t2 = time.perf_counter()
+            t2 = self._clock()
             self.times["local"] += t1 - t0
             self.times["exchange"] += t2 - t1
             last = t == cfg.rounds - 1
@@ -638,14 +652,14 @@ def _dump_yaml(data: dict) -> str:
 
 def run(cfg: RunConfig, dataset=None, comm=None, log=print, resume: bool = False) -> dict:
     """Build a trainer, run it (or resume it from cfg.out) and always tear the process group
-    down."""
-    trainer = None
-    try:
-        trainer = Trainer(cfg, dataset, comm, log)
-        return trainer.run(resume=resume)
+    down, also when building the trainer fails."""
+    rt = cfg.runtime
+    comm = comm or init_comm(rt.device, rt.backend, rt.timeout_s)
+    try:  # a config error found while building the trainer must not leave the group alive
+        return Trainer(cfg, dataset, comm, log).run(resume=resume)
     finally:
-        if trainer is not None and not isinstance(trainer.comm, LocalComm):
-            trainer.comm.close()
+        if not isinstance(comm, LocalComm):
+            comm.close()
 
 
 __all__ = ["Trainer", "run", "build_schedule"]

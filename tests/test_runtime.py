@@ -94,6 +94,27 @@ def test_dfedem_placements_equal(options, tmp_path):
         assert multi[peer][2]["mixture_leaders"] == summary["mixture_leaders"]
 
 
+def _unseen_summary(cfg):
+    data = toy_dataset(9)
+    data.unseen = [8]  # one held-out client: with two ranks, one of them holds none
+    trainer = Trainer(cfg, dataset=data, log=lambda *a: None)
+    summary = trainer.run()
+    trainer.comm.close()
+    return summary
+
+
+def test_unseen_clients_fewer_than_ranks(tmp_path):
+    """Held-out clients are spread over the ranks like peers; a rank with none still joins the
+    gather, and every rank reports what one process does."""
+    single = _unseen_summary(make_cfg(tmp_path / "one", "ring", "dfedem", components=2))
+    results = run_ranks(2, _unseen_summary, make_cfg(tmp_path / "two", "ring", "dfedem",
+                                                     components=2))  # fmt: skip
+    for status, summary in results:
+        assert status == "ok", summary
+        np.testing.assert_allclose(summary["unseen_test_accuracy"],
+                                   single["unseen_test_accuracy"], atol=1e-9)  # fmt: skip
+
+
 def test_gossip_preserves_average_and_contracts_at_rho(tmp_path):
     """No local steps: theta_{t+1} = W theta_t. The average is conserved and the consensus
     distance shrinks by at most rho^2 per round (exactly for the slowest eigenvector)."""

@@ -5,7 +5,9 @@ A future transport (e.g. pyzmq) implements the same three methods."""
 from __future__ import annotations
 
 import datetime
+import inspect
 import os
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -154,9 +156,21 @@ def init_comm(device: str = "auto", backend: str = "auto", timeout_s: float = 30
     if backend == "auto":
         backend = "nccl" if dev.type == "cuda" else "gloo"
     if backend == "gloo" and dev.type == "cuda":
-        dev = torch.device("cpu")  # Gloo p2p moves CPU tensors; NCCL is the GPU transport
+        warnings.warn(
+            "runtime.backend 'gloo' moves CPU tensors: this run trains on the CPU; "
+            "use backend nccl (or auto) to train on the GPU",
+            stacklevel=2,
+        )
+        dev = torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s)
-    kwargs = {"device_id": dev} if backend == "nccl" else {}
+    kwargs = {}
+    if backend == "nccl":
+        # NCCL's wait() only orders CUDA streams; with blocking wait it raises on the host
+        # after the timeout (caught and reported as a GossipError), where otherwise the
+        # watchdog kills the process, or nothing ever returns if async error handling is off.
+        os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
+        if "device_id" in inspect.signature(dist.init_process_group).parameters:
+            kwargs["device_id"] = dev  # binds the communicator to this GPU (torch >= 2.3)
     dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
     comm = TorchComm(dev, rank, world, backend)
     # NCCL: if the first operation of a group is a batched p2p call, all ranks must join it;
