@@ -9,6 +9,7 @@ so one batched step trains every peer on its own minibatch. Minibatch order depe
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -46,9 +47,9 @@ class PaddedSplit:
         pairs = [c.split(split) for c in clients]
         return PaddedSplit.build([x for x, _ in pairs], [y for _, y in pairs], device)
 
-    @property
+    @cached_property
     def mask(self) -> torch.Tensor:
-        """(L, N_max) 1.0 on real samples, 0.0 on padding."""
+        """(L, N_max) 1.0 on real samples, 0.0 on padding (built once: every round asks)."""
         ar = torch.arange(self.y.shape[1], device=self.y.device)
         return (ar[None, :] < self.counts[:, None]).to(torch.float32)
 
