@@ -44,8 +44,11 @@ def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str
     diffs = []
     for key in keys:
         path = f"{prefix}{key}"
-        if path in ("out", "rounds", "checkpoint_every", "runtime.timeout_s"):
-            continue  # where to write, how long to go on, how often to save: may change
+        if path in ("out", "rounds", "checkpoint_every") or path.startswith("runtime."):
+            # where to write, how long to go on, how often to save, and how to run (device,
+            # backend, batching, call sizes: like the number of ranks, these change float
+            # rounding, not the algorithm) may change
+            continue
         a, b = saved.get(key), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             diffs += config_differences(a, b, f"{path}.")

@@ -87,10 +87,21 @@ def test_resume_on_more_ranks(tmp_path):
         np.testing.assert_allclose(th, theta[p], rtol=1e-6, atol=1e-7)
 
 
+def test_resume_with_other_runtime_settings(tmp_path):
+    """The per-peer loop and small step calls instead of one batched call: same algorithm,
+    so the resumed run ends where the uninterrupted one does (to float rounding)."""
+    theta, _ = run_until(cfg_for(tmp_path / "full"), None)
+    run_until(cfg_for(tmp_path / "cut"), stop_after=2)
+    resumed = resume(cfg_for(tmp_path / "cut", runtime={"batching": "loop", "step_chunk": 16}))
+    for p, (th, _) in resumed.items():
+        np.testing.assert_allclose(th, theta[p], rtol=1e-6, atol=1e-7)
+
+
 def test_resume_with_other_config_names_keys(tmp_path):
     run_until(cfg_for(tmp_path / "cut"), stop_after=2)
     changed = cfg_for(tmp_path / "cut", seed=6)
     changed.algorithm.lr = 0.3
+    changed.runtime.batching = "loop"  # how to run may change; only lr and seed are named
     with pytest.raises(GossipError, match=r"keys differ: algorithm.lr, seed"):
         Trainer(changed, dataset=toy_dataset(8), log=lambda *a: None).run(resume=True)
     # nothing was overwritten by the refused resume
