@@ -206,8 +206,11 @@ def test_every_rank_plan_reproduces_the_dense_product(world, sparse, monkeypatch
     exchangers = [exchange.Exchanger(p, _PostedComm(r, {})) for r, p in enumerate(placements)]
     for density in (0.3, 0.1, 0.6, 0.3):
         w = rng.random((size, size)) * (rng.random((size, size)) < density)
-        w[5] = 0.0  # a node with no row keeps its value
+        w[5] = w[7] = 0.0  # a node with no row keeps its value ...
         phase = Phase.from_dense(w)
+        # ... and one whose row lists only zero weights becomes zero, as in Phase.dense()
+        phase = Phase(size, np.append(phase.rows, 7), np.append(phase.cols, 2),
+                      np.append(phase.weights, 0.0))  # fmt: skip
         x = torch.as_tensor(rng.standard_normal((size, d)))
         plans = [exchange.plan_phase(phase, p, torch.device("cpu")) for p in placements]
         states = [x[p.nodes(size)] for p in placements]

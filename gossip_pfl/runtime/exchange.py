@@ -88,10 +88,13 @@ def plan_phase(phase: Phase, placement: Placement, device: torch.device) -> Phas
     n_local = len(local)
     pos = np.full(phase.size, -1, dtype=np.int64)
     pos[local] = np.arange(n_local)
+    me = placement.rank
+    # A node with no row keeps its value; one whose row holds only zeros becomes zero, as in
+    # Phase.dense(). Zero weights then move nothing.
+    listed = np.unique(pos[phase.rows[placement.owner(phase.rows) == me]])
     keep = phase.weights != 0
     rows, cols, weights = phase.rows[keep], phase.cols[keep], phase.weights[keep]
     row_owner, col_owner = placement.owner(rows), placement.owner(cols)
-    me = placement.rank
 
     # Sends: my nodes that feed rows held elsewhere, grouped by the receiving rank.
     out = (col_owner == me) & (row_owner != me)
@@ -103,7 +106,7 @@ def plan_phase(phase: Phase, placement: Placement, device: torch.device) -> Phas
     mine = row_owner == me
     rows, cols, weights, col_owner = rows[mine], cols[mine], weights[mine], col_owner[mine]
     own = col_owner == me
-    idle = np.setdiff1d(np.arange(n_local), pos[rows])
+    idle = np.setdiff1d(np.arange(n_local), listed)
     own_block = _block(
         np.concatenate([pos[rows[own]], idle]),
         np.concatenate([pos[cols[own]], idle]),
