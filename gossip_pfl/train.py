@@ -194,15 +194,14 @@ class Trainer:
         filled = weight.sum(-1)  # (S, L) real samples of each peer's batch at step s
         widths = filled.max(-1).astype(np.int64).tolist()
         active = [np.flatnonzero(f > 0) for f in filled]
-        ends = np.cumsum([len(a) for a in active]).tolist()
         all_rows = np.concatenate(active or [np.empty(0, dtype=np.int64)])
-        all_rows = torch.as_tensor(all_rows, device=self.device)
+        step_rows = torch.as_tensor(all_rows, device=self.device).split([len(a) for a in active])
         idx = torch.as_tensor(idx, device=self.device)
         weight = torch.as_tensor(weight, device=self.device)
         anchor = theta.clone() if self.solver.prox_mu else None
         q = q.expand(L, self.M, -1) if q is not None else None
         for s in range(idx.shape[0]):
-            rows = all_rows[ends[s] - len(active[s]) : ends[s]]
+            rows = step_rows[s]
             # every peer in the step (the big early ones): a slice makes theta, q and the
             # optimizer state views instead of copies
             sel = slice(None) if len(rows) == L else rows

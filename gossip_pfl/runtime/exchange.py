@@ -89,12 +89,13 @@ def plan_phase(phase: Phase, placement: Placement, device: torch.device) -> Phas
     pos = np.full(phase.size, -1, dtype=np.int64)
     pos[local] = np.arange(n_local)
     me = placement.rank
+    row_owner = placement.owner(phase.rows)
     # A node with no row keeps its value; one whose row holds only zeros becomes zero, as in
     # Phase.dense(). Zero weights then move nothing.
-    listed = np.unique(pos[phase.rows[placement.owner(phase.rows) == me]])
+    listed = np.unique(pos[phase.rows[row_owner == me]])
     keep = phase.weights != 0
     rows, cols, weights = phase.rows[keep], phase.cols[keep], phase.weights[keep]
-    row_owner, col_owner = placement.owner(rows), placement.owner(cols)
+    row_owner, col_owner = row_owner[keep], placement.owner(cols)
 
     # Sends: my nodes that feed rows held elsewhere, grouped by the receiving rank.
     out = (col_owner == me) & (row_owner != me)
@@ -102,7 +103,7 @@ def plan_phase(phase: Phase, placement: Placement, device: torch.device) -> Phas
     for r in np.unique(row_owner[out]):
         sends[int(r)] = _as_rows(pos[np.unique(cols[out & (row_owner == r)])], device)
 
-    # My rows: a block over my own nodes (nodes receiving nothing keep their value) ...
+    # My rows: a block over my own nodes (nodes with no row keep their value) ...
     mine = row_owner == me
     rows, cols, weights, col_owner = rows[mine], cols[mine], weights[mine], col_owner[mine]
     own = col_owner == me
@@ -115,18 +116,17 @@ def plan_phase(phase: Phase, placement: Placement, device: torch.device) -> Phas
         device,
     )
     # ... and one over the rows I receive, grouped by sending rank, each group by node id.
-    recv_counts, recv_cols = {}, np.empty(0, dtype=np.int64)
     remote = ~own
-    for r in np.unique(col_owner[remote]):
-        nodes = np.unique(cols[col_owner == r])
-        recv_counts[int(r)] = len(nodes)
-        recv_cols = np.concatenate([recv_cols, nodes])
-    received = None
-    if recv_counts:
-        # a node has one owner, so every received node has one position in the buffer
-        order = np.argsort(recv_cols)
-        c = order[np.searchsorted(recv_cols[order], cols[remote])]
-        received = _block(pos[rows[remote]], c, weights[remote], (n_local, len(recv_cols)), device)
+    nodes = np.unique(cols[remote])  # by node id; each node has one owner
+    owners = placement.owner(nodes)
+    order = np.argsort(owners, kind="stable")  # the buffer's order: by rank, then node id
+    senders, counts = np.unique(owners, return_counts=True)
+    recv_counts = dict(zip(senders.tolist(), counts.tolist()))
+    slot = np.empty(len(nodes), dtype=np.int64)
+    slot[order] = np.arange(len(nodes))
+    c = slot[np.searchsorted(nodes, cols[remote])]  # each received weight's buffer row
+    shape = (n_local, len(nodes))
+    received = _block(pos[rows[remote]], c, weights[remote], shape, device) if len(nodes) else None
     return PhasePlan(sends, recv_counts, own_block, received)
 
 
