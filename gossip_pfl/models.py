@@ -15,11 +15,18 @@ def batched_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
     """``nn.Linear`` for many peers and components at once.
 
     x (L, B, i) shared by the components, or (L, M, B, i); weight (L, M, o, i); bias (L, M, o)
-    -> (L, M, B, o). A shared input lets einsum fold the components into one matrix product
-    per peer, several times faster than vmap's batched matrix-vector products.
+    -> (L, M, B, o). A shared input folds the components into one matrix product per peer,
+    several times faster than vmap's batched matrix-vector products.
     """
-    spec = "lbi,lmoi->lmbo" if x.dim() == 3 else "lmbi,lmoi->lmbo"
-    return torch.einsum(spec, x, weight) + bias[:, :, None, :]
+    if x.dim() == 4:
+        return torch.einsum("lmbi,lmoi->lmbo", x, weight) + bias[:, :, None, :]
+    # weight (M*o, i) times x^T (i, B), not x times weight^T: autograd then forms the weight's
+    # gradient as g (M*o, B) @ x (B, i), reading x row by row. The other way round it multiplies
+    # a transposed x, and a linear model's step (M*o of 1 to 3: batched matrix-vector products)
+    # takes about 1.8x as long (300 peers x 128 samples x 150 inputs).
+    L, M, o, i = weight.shape
+    out = torch.matmul(weight.reshape(L, M * o, i), x.transpose(1, 2))  # (L, M*o, B)
+    return out.view(L, M, o, -1).transpose(-1, -2) + bias[:, :, None, :]
 
 
 class Linear(nn.Module):
