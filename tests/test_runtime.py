@@ -254,6 +254,31 @@ def test_unbatchable_model_when_batching_demanded():
     assert auto.mode == "loop" and "buffers" in auto.describe()
 
 
+def test_native_batched_layers_are_checked_instead_of_vmap():
+    """A model with its own batched layers keeps them even when vmap could not run its plain
+    forward (here a data-dependent .item())."""
+
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.ones(3))
+
+        def forward(self, x):
+            return x * self.w * float(x.abs().max().item() > -1)
+
+        @staticmethod
+        def batched_forward(params, x):  # (L, M, 3), (L, B, 3) -> (L, M, B, 3)
+            return x[:, None] * params["w"][:, :, None]
+
+    model = Scaled()
+    layout = ParamLayout(model)
+    theta, x = torch.randn(2, 2, 3), torch.randn(2, 4, 3)
+    forward = BatchedForward(model, layout, "auto")
+    forward.check(theta, x)
+    assert forward.mode == "vmap" and "batched layers" in forward.describe()
+    torch.testing.assert_close(forward(theta, x), BatchedForward(model, layout, "loop")(theta, x))
+
+
 def test_batched_forward_equals_loop():
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
     layout = ParamLayout(model)

@@ -86,11 +86,12 @@ class BatchedForward:
         return ""
 
     def check(self, theta: torch.Tensor, x: torch.Tensor) -> None:
-        """Run one tiny batch; in auto mode switch to the loop when vmap fails."""
+        """Run one tiny batch through the batched path that will run (the model's own layers
+        when it has them); in auto mode switch to the loop when it fails."""
         if self.mode != "vmap":
             return
         try:
-            self._vmapped(theta[:1, :1], x[:1, :1])
+            self(theta[:1, :1], x[:1, :1])
         except Exception as err:  # noqa: BLE001 - any failure means "not batchable"
             self.reason = str(err).splitlines()[0][:160]
             if self.requested == "vmap":
