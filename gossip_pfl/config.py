@@ -77,6 +77,12 @@ class RuntimeConfig:
     timeout_s: float = 300.0  #: a rank waits this long for a dead peer before failing
     metrics_every: int = 1  #: ignored, kept so older run configs load (metrics follow eval.every)
     step_chunk: int = 0  #: samples per forward in a local step, all peers (0: model's hint or all)
+    #: CUDA only: let matmuls and convolutions round their inputs to TF32 (faster on Ampere and
+    #: later, but about 1e-3 relative error: placements then no longer agree to 1e-6)
+    tf32: bool = False
+    #: CUDA only: deterministic kernels (cuDNN, cuBLAS, scatter-adds), so a rerun with the same
+    #: seed gives the same numbers; false lets cuDNN pick its fastest algorithms by timing
+    deterministic: bool = True
 
 
 @dataclass

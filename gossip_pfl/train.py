@@ -22,7 +22,7 @@ from gossip_pfl.algorithms.losses import num_outputs, sample_loss
 from gossip_pfl.config import RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.models import build_model
-from gossip_pfl.runtime.comm import LocalComm, init_comm
+from gossip_pfl.runtime.comm import LocalComm, init_comm, set_cuda_numerics
 from gossip_pfl.runtime.data import PaddedSplit, round_batches
 from gossip_pfl.runtime.exchange import Exchanger, weight_by_size
 from gossip_pfl.runtime.placement import Placement
@@ -77,6 +77,8 @@ class Trainer:
         rt = cfg.runtime
         self.comm = comm or init_comm(rt.device, rt.backend, rt.timeout_s)
         self.device = self.comm.device
+        if self.device.type == "cuda":
+            set_cuda_numerics(rt.tf32, rt.deterministic)
         if dataset is None:
             from gossip_pfl.data import load_dataset
 

@@ -472,3 +472,32 @@ def test_round_batches_equal_the_batch_by_batch_reference():
         want = _reference_plan(counts, peers, seed, 5, *args, steps, 1)
         for g, w in zip(got, want):
             assert g.shape == w.shape and np.array_equal(g, w)
+
+
+def test_cuda_numerics_switch_off_tf32_and_autotuning(monkeypatch):
+    """What a CUDA run sets before its first product (the flags exist without a GPU): TF32 off
+    and deterministic kernels by default; runtime.tf32 / deterministic: false undo each."""
+    from gossip_pfl.runtime.comm import set_cuda_numerics
+
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = (
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.cudnn.benchmark,
+        torch.backends.cudnn.deterministic,
+        torch.are_deterministic_algorithms_enabled(),
+    )
+    try:
+        cfg = load_config(base={}).runtime
+        set_cuda_numerics(cfg.tf32, cfg.deterministic)
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+        assert torch.are_deterministic_algorithms_enabled()
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        set_cuda_numerics(True, False)
+        assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.benchmark
+        assert not torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[:2]
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[2:4]
+        torch.use_deterministic_algorithms(before[4])

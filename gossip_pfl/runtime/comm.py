@@ -129,6 +129,25 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def set_cuda_numerics(tf32: bool, deterministic: bool) -> None:
+    """Float behaviour of CUDA kernels for this process (no effect on CPU work).
+
+    PyTorch lets cuDNN convolutions use TF32 by default and, with ``cudnn.benchmark``, pick
+    algorithms by timing; either makes numbers depend on the GPU model, the batch shape (so on
+    the placement) or the run. Off by default here: same seed, same config, same numbers.
+    """
+    torch.backends.cuda.matmul.allow_tf32 = tf32
+    torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cudnn.benchmark = not deterministic
+    torch.backends.cudnn.deterministic = deterministic
+    if deterministic:
+        # cuBLAS reduces deterministically only with a fixed workspace; read when its handle is
+        # created, i.e. at the first product, which comes after this call
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    # warn_only: an op with no deterministic CUDA kernel warns (once) instead of stopping a run
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+
+
 def world_from_env() -> tuple[int, int]:
     """(rank, world_size) as torchrun sets them; (0, 1) for a plain process."""
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
