@@ -22,7 +22,7 @@ from gossip_pfl.algorithms.losses import num_outputs, sample_loss
 from gossip_pfl.config import RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.models import build_model
-from gossip_pfl.runtime.comm import LocalComm, init_comm, set_cuda_numerics
+from gossip_pfl.runtime.comm import init_comm, set_cuda_numerics
 from gossip_pfl.runtime.data import PaddedSplit, round_batches
 from gossip_pfl.runtime.exchange import Exchanger, weight_by_size
 from gossip_pfl.runtime.placement import Placement
@@ -659,8 +659,7 @@ def run(cfg: RunConfig, dataset=None, comm=None, log=print, resume: bool = False
     try:  # a config error found while building the trainer must not leave the group alive
         return Trainer(cfg, dataset, comm, log).run(resume=resume)
     finally:
-        if not isinstance(comm, LocalComm):
-            comm.close()
+        comm.close()  # a no-op for one process
 
 
 __all__ = ["Trainer", "run", "build_schedule"]

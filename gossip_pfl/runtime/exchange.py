@@ -201,8 +201,8 @@ class Exchanger:
         # 1.43x the bare exchange in benchmarks/bench_exchange.py).
         out = _matmul(plan.own, state, out)
         pending.wait_all()
-        if plan.received is not None:
-            _add_matmul(out, plan.received, whole)
+        if plan.received is not None:  # in place, no temporary, no host sync for a 1 x 1 block
+            out.addmm_(plan.received, whole)
         return out
 
 
@@ -217,8 +217,3 @@ def _matmul(block: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None) -> t
     if block.shape == (1, 1):  # one peer per rank: a scaled copy, not a GEMM
         return torch.mul(x, block[0, 0], out=out)
     return torch.mm(block, x, out=out)
-
-
-def _add_matmul(out: torch.Tensor, block: torch.Tensor, x: torch.Tensor) -> None:
-    """out += block @ x, in place (no temporary; a 1 x 1 block too, with no host sync)."""
-    out.addmm_(block, x)
