@@ -51,8 +51,6 @@ class AlgorithmConfig:
     personal_lr: float | None = None  #: pFedMe / APFL personal step size (default: lr)
     alpha: float = 0.5  #: APFL's initial mixing weight
     alpha_lr: float | None = None  #: APFL's step on alpha (default: personal_lr; 0 = fixed)
-    tol1: float = 0.4  #: Clustered FL: split when ||mean update|| < tol1 ...
-    tol2: float = 1.6  #: ... and max ||update_i|| > tol2
     #: how D-FedEM weights client t by n_t / n: step (Alg. 4: local step x T n_t / n) | gossip
     #: (the mix weights neighbour j by n_j: sum_j W_ij n_j theta_j / sum_j W_ij n_j) | none
     client_weighting: str = "step"
@@ -63,8 +61,43 @@ class AlgorithmConfig:
 
 
 @dataclass
+class LineSearchConfig:
+    """FedLi-LS's client step: stochastic Armijo line search on each minibatch."""
+
+    c: float = 0.1  #: sufficient decrease: f(w - eta g) <= f(w) - c eta ||g||^2
+    beta: float = 0.9  #: backtracking factor
+    eta_max: float = 1.0  #: first trial of a round
+    max_trials: int = 100  #: backtracking trials per step; the last trial's eta is then taken
+    #: where the next step's search starts: grow (eta * 2^(1/batches per epoch), the usual SLS
+    #: reset), keep (the last accepted eta) or max (eta_max every step)
+    reset: str = "grow"
+
+
+@dataclass
+class RuleConfig:
+    """The aggregation rule (gossip_pfl.algorithms.rules) and its options; the algorithm
+    names a default rule, ``name`` overrides it."""
+
+    name: str | None = None  #: average | server_sgd | fedavgm | fedadam | fedyogi | ...
+    lr: float | None = None  #: server step size (default per rule: 1, or 0.01 for fedadam & co)
+    momentum: float = 0.9  #: FedAvgM's server momentum
+    beta1: float = 0.9  #: FedAdam / FedYogi / FedAdagrad (Reddi et al. 2021)
+    beta2: float = 0.99
+    tau: float = 1e-3  #: adaptivity: step lr m / (sqrt(v) + tau)
+    eps: float = 1e-3  #: FedExP's epsilon
+    lam: float = 0.0  #: FedLi-LU's weight decay lambda (r = lambda w)
+    eta: float = 1.0  #: FedLi-LU's proximal coefficient (largest step along Delta)
+    step: str = "one"  #: FedLi-LS's server step: one | max (the largest client step size)
+    tol1: float = 0.4  #: Clustered FL: split when ||mean update|| < tol1 ...
+    tol2: float = 1.6  #: ... and max ||update_i|| > tol2
+
+
+@dataclass
 class EvalConfig:
     every: int = 10  #: evaluate every k rounds (and after the last)
+    #: local epochs of plain SGD on a copy of each peer's model before it is evaluated
+    #: (FedAvg+); unset: the algorithm's default (1 for fedavg_plus, else 0)
+    finetune_epochs: int | None = None
     chunk: int = 0  #: samples per evaluation forward, all peers (0: model's hint or 16384)
     unseen_em: str = "converge"  #: converge | one_step (the paper's experiments)
 
@@ -93,6 +126,12 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     schedule: Any = None  #: topology spec (dict) or path to a schedule YAML; None: by algorithm
+    rule: RuleConfig = field(default_factory=RuleConfig)
+    line_search: LineSearchConfig = field(default_factory=LineSearchConfig)
+    #: clients per round: a count (int) or a fraction in (0, 1]; sampled from (seed, round)
+    participation: Any = 1.0
+    #: weights of the hub's average: size (n_i over the sampled set) | uniform
+    aggregation: str = "size"
     eval: EvalConfig = field(default_factory=EvalConfig)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     out: str = "runs/default"
@@ -216,7 +255,7 @@ def load_config(
 
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that need no data, with the key to change in the message."""
-    a = cfg.algorithm
+    a, r, ls = cfg.algorithm, cfg.rule, cfg.line_search
     checks = [
         (cfg.rounds >= 1, "rounds", "must be >= 1"),
         (a.components >= 1, "algorithm.components", "must be >= 1 (M, the number of components)"),
@@ -240,10 +279,40 @@ def validate(cfg: RunConfig) -> None:
         (cfg.eval.chunk >= 0, "eval.chunk", "must be >= 0 (0: automatic)"),
         (cfg.runtime.timeout_s > 0, "runtime.timeout_s", "must be > 0"),
         (cfg.checkpoint_every >= 0, "checkpoint_every", "must be >= 0"),
-    ]
+        (cfg.aggregation in ("size", "uniform"), "aggregation", "must be size|uniform"),
+        (
+            cfg.eval.finetune_epochs is None or cfg.eval.finetune_epochs >= 0,
+            "eval.finetune_epochs",
+            "must be >= 0",
+        ),
+        (_is_participation(cfg.participation), "participation",
+         "must be a count >= 1 or a fraction in (0, 1]"),
+        (r.lr is None or r.lr > 0, "rule.lr", "must be > 0"),
+        (0 <= r.momentum < 1, "rule.momentum", "must be in [0, 1)"),
+        (0 <= r.beta1 < 1, "rule.beta1", "must be in [0, 1)"),
+        (0 <= r.beta2 < 1, "rule.beta2", "must be in [0, 1)"),
+        (r.tau > 0, "rule.tau", "must be > 0"),
+        (r.eps > 0, "rule.eps", "must be > 0"),
+        (r.lam >= 0, "rule.lam", "must be >= 0"),
+        (r.eta > 0, "rule.eta", "must be > 0"),
+        (r.step in ("one", "max"), "rule.step", "must be one|max"),
+        (0 < ls.c < 1, "line_search.c", "must be in (0, 1)"),
+        (0 < ls.beta < 1, "line_search.beta", "must be in (0, 1)"),
+        (ls.eta_max > 0, "line_search.eta_max", "must be > 0"),
+        (ls.max_trials >= 1, "line_search.max_trials", "must be >= 1"),
+        (ls.reset in ("grow", "keep", "max"), "line_search.reset", "must be grow|keep|max"),
+    ]  # fmt: skip
     for ok, key, msg in checks:
         if not ok:
             raise GossipError(f"config key '{key}' {msg} (got {_get(cfg, key)!r})")
+
+
+def _is_participation(value) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return value >= 1
+    return isinstance(value, float) and 0 < value <= 1
 
 
 def _get(cfg, dotted: str):

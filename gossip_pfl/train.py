@@ -1,6 +1,12 @@
 """One run: build the pieces from the config, then a thin round loop.
 
-    for t in rounds:  local_work(t)  ->  mix(t)  ->  metrics(t)  ->  evaluate / checkpoint
+    for t in rounds:  sample(t) -> local_work(t) -> communicate(t) -> log -> checkpoint
+
+``local_work`` is the client update of the round's participants (their surrogate's E-step and
+the local solver); ``communicate`` delivers their messages along the route (the star with the
+hub's rule between its up and down phases, W_t's phases with each peer's rule, or a rule's own
+phase) and applies the rule. No algorithm is named here: an algorithm is a composition of a
+surrogate, a solver and a rule (gossip_pfl.algorithms).
 
 The same code runs with every peer in one process or spread over torchrun ranks; every random
 draw is seeded per peer (data order, initialization) or per round (schedule), never per rank.
@@ -16,56 +22,67 @@ import numpy as np
 import torch
 
 from gossip_pfl import checkpoint
-from gossip_pfl.algorithms import build_surrogate, get_algorithm
-from gossip_pfl.algorithms.clustered import ClusteredRule
+from gossip_pfl.algorithms import AlgorithmSpec, build_solver, build_surrogate, get_algorithm
 from gossip_pfl.algorithms.losses import num_outputs, sample_loss
+from gossip_pfl.algorithms.rules import Inbox, build_rule, client_part
 from gossip_pfl.config import RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
+from gossip_pfl.metrics import recovery_entry
 from gossip_pfl.models import build_model
 from gossip_pfl.runtime.comm import init_comm, set_cuda_numerics
 from gossip_pfl.runtime.data import PaddedSplit, round_batches
 from gossip_pfl.runtime.exchange import Exchanger, weight_by_size
+from gossip_pfl.runtime.messages import Bundle
+from gossip_pfl.runtime.participation import (
+    participant_count,
+    sample_participants,
+    sit_out,
+    star_phases,
+)
 from gossip_pfl.runtime.placement import Placement
-from gossip_pfl.runtime.solver import LocalSGD
+from gossip_pfl.runtime.solver import LocalArmijo, LocalSGD
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout, init_components
 from topologies import MixingSchedule
 
 
-def build_schedule(cfg: RunConfig, n: int, sizes: np.ndarray, topology: str):
-    """The run's mixing schedule over its ``n`` training peers (None for W = I)."""
-    if topology in ("none", "clusters"):  # W = I, or Clustered FL's own server rule
-        return None
+def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
+    """The run's gossip schedule over its ``n`` training peers; None where the algorithm's
+    topology is not a gossip schedule (the server's star, or W = I). A schedule that
+    contradicts the algorithm is an error naming what to change."""
+    sched = cfg.schedule
+    if spec.topology != "given":
+        if sched is None or (spec.topology == "server" and sched == {"graph": "server"}):
+            return None
+        what = "the server schedule (a hub)" if spec.topology == "server" else "no schedule"
+        raise GossipError(
+            f"algorithm '{cfg.algorithm.name}' runs on {what} but 'schedule' is set to "
+            f"{sched!r}: drop 'schedule', or for gossip choose algorithm.name dsgd or dfedem "
+            "(rule.name picks the gossip rule); clients per round are set by 'participation'"
+        )
     from topologies.spec import schedule_from_spec
 
-    spec = cfg.schedule
-    if topology == "server" and spec is None:
-        spec = {"graph": "server"}
-    if spec is None:
+    if sched is None:
         raise GossipError(
             f"algorithm '{cfg.algorithm.name}' needs a schedule: set 'schedule' to a topology "
             "spec or a schedule YAML path (e.g. schedule: {graph: ring, weights: metropolis})"
         )
     base_dir = None
-    if isinstance(spec, str):
-        base_dir = Path(spec).parent
-        if not Path(spec).is_file():
-            raise GossipError(f"config key 'schedule': schedule file not found: {spec}")
-        spec = read_yaml(spec)
-    if not isinstance(spec, dict):
-        raise GossipError(f"config key 'schedule' must be a mapping or a file path, got {spec!r}")
-    spec = dict(spec)
-    if spec.get("n", n) != n:
+    if isinstance(sched, str):
+        base_dir = Path(sched).parent
+        if not Path(sched).is_file():
+            raise GossipError(f"config key 'schedule': schedule file not found: {sched}")
+        sched = read_yaml(sched)
+    if not isinstance(sched, dict):
+        raise GossipError(f"config key 'schedule' must be a mapping or a file path, got {sched!r}")
+    sched = dict(sched)
+    if sched.get("n", n) != n:
         raise GossipError(
-            f"schedule has n = {spec['n']} but the run has {n} training peers; "
+            f"schedule has n = {sched['n']} but the run has {n} training peers; "
             "set schedule.n to match or drop it"
         )
-    spec["n"] = n
-    spec.setdefault("seed", cfg.seed)
-    if spec.get("graph") == "server":  # the hub averages with weights n_t / n
-        args = dict(spec.get("graph_args") or {})
-        args.setdefault("sizes", [int(s) for s in sizes])
-        spec["graph_args"] = args
-    return schedule_from_spec(spec, base_dir=base_dir)
+    sched["n"] = n
+    sched.setdefault("seed", cfg.seed)
+    return schedule_from_spec(sched, base_dir=base_dir)
 
 
 class Trainer:
@@ -91,7 +108,7 @@ class Trainer:
         sizes = np.array([len(dataset.clients[i].y_train) for i in self.train_ids])
         self.n_peers = n
         self.M = 1 if self.spec.single_model else cfg.algorithm.components
-        self.schedule: MixingSchedule | None = build_schedule(cfg, n, sizes, self.spec.topology)
+        self.schedule: MixingSchedule | None = build_schedule(cfg, n, self.spec)
         self.placement = Placement(n, self.comm.world_size, self.comm.rank)
         self.peers = self.placement.peers  # positions in train_ids
         L = len(self.peers)
@@ -120,13 +137,29 @@ class Trainer:
         self.step_chunk = rt.step_chunk or hint
         self.eval_chunk = cfg.eval.chunk or hint or 16384
 
+        # The round protocol: who takes part, the rule, and the route its messages take.
+        self.sizes = sizes
+        self.agg_weights = sizes.astype(np.float64) if cfg.aggregation == "size" else np.ones(n)
+        self.n_active = participant_count(cfg.participation, n)
+        self.rule = build_rule(cfg.rule.name or self.spec.rule, cfg.rule, n)
+        self.route = self._route()
+        self.client = client_part(self.rule)
         # Shared state: (local nodes, M, P); rows past L are auxiliary nodes (an aggregating hub).
-        n_nodes = n
+        n_nodes = n + 1 if self.route == "star" else n
         if self.schedule is not None:
             n_nodes = max(p.size for p in self.schedule.phases(0))
         self.n_local_nodes = len(self.placement.nodes(n_nodes))
         theta0 = init_components(model_fn, self.layout, self.M, cfg.seed).to(self.device)
         self.nodes = theta0.expand(self.n_local_nodes, *theta0.shape).clone()
+        self.bundle = Bundle(tuple(theta0.shape), self.rule.tensors, self.rule.scalars)
+        # rule state: the hub's (one row, rank 0) on the star, each peer's in gossip, and
+        # replicated on every rank for a rule with its own route
+        rows = {"star": 1, "gossip": L}.get(self.route, 0)
+        self.rule_state = {}
+        if self.route != "star" or self.comm.rank == 0:
+            self.rule_state = self.rule.init(theta0.expand(rows, *theta0.shape).clone())
+        self.client_state = self.client.init(self.nodes[:L]) if self.client else {}
+        self.keep_start = self.rule.needs_theta or self.client is not None
 
         # Private state and data of this rank's peers.
         clients = [dataset.clients[self.train_ids[i]] for i in self.peers]
@@ -145,8 +178,10 @@ class Trainer:
         a = cfg.algorithm
         self.surrogate = build_surrogate(cfg, self.spec, self.M, task)
         self.personal = self.surrogate.init_personal(self.train_ids[self.peers], theta0)
-        self.solver = LocalSGD(a.lr, a.momentum, a.weight_decay, a.mu if self.spec.prox else 0.0)
+        self.solver = build_solver(cfg, self.spec)
         self.opt_state = self.solver.init(self.nodes[:L])
+        ft = cfg.eval.finetune_epochs
+        self.finetune_epochs = self.spec.finetune_epochs if ft is None else ft
         # D-FedEM (Alg. 4) moves the client weight n_t/n into the step; scaled by T so the mean
         # multiplier is 1 and FedEM and D-FedEM share one learning rate (fedem.md, scale note).
         decentral = self.spec.topology == "given"
@@ -158,35 +193,110 @@ class Trainer:
         self.gossip_by_size = decentral and a.client_weighting == "gossip"
         self.forward.check(self.nodes[:L], self.train.x)
         self.exchanger = Exchanger(self.placement, self.comm)
-        self.sizes = sizes
-        self.cluster_rule = None
-        if self.spec.topology == "clusters":
-            self.cluster_rule = ClusteredRule(n, a.tol1, a.tol2)
         self.times = {"local": 0.0, "exchange": 0.0}
         self.round = 0
-        self.model_bytes = 0  # peer-to-peer traffic of the schedule (see mix)
-        self._spare = None  # mixing output buffer (see mix)
+        self.kind_bytes = dict.fromkeys(self.bundle.columns(), 0)  # as if one peer per machine
+        self._spare = {}  # mixing output buffers by shape (see _mix)
+        self.last_loss = torch.zeros(L, dtype=torch.float64, device=self.device)
+        self.steps_taken = torch.zeros(L, dtype=torch.float64, device=self.device)
+        self.track_loss = "loss" in self.rule.scalars
+        self.line_search = isinstance(self.solver, LocalArmijo)
+        self.outbox = None
+
+    def _route(self) -> str:
+        """How messages travel: star (hub), gossip (W_t), rule (the rule's own phase), none."""
+        name, n, k = self.rule.name, self.n_peers, self.n_active
+        if self.spec.topology == "none":
+            if name != "average":
+                raise GossipError(
+                    f"rule.name {name!r} needs a topology; algorithm "
+                    f"'{self.cfg.algorithm.name}' trains each peer alone"
+                )
+            return "none"
+        if self.spec.topology == "server":
+            if not hasattr(self.rule, "phase"):
+                return "star"
+            if k < n:
+                raise GossipError(
+                    f"rule.name {name!r} needs every client in every round "
+                    f"(participation is {self.cfg.participation!r}); set participation: 1.0"
+                )
+            return "rule"
+        if not self.rule.gossip:
+            raise GossipError(
+                f"rule.name {name!r} has no gossip form (schedule is "
+                f"{self.schedule!r}); gossip rules: average, fedexp, fedli_lu, fedli_ls "
+                "(rule.step one); or drop 'schedule' and use a server algorithm"
+            )
+        if k < n:
+            if max(p.size for p in self.schedule.phases(0)) > n:
+                raise GossipError(
+                    "participation below all clients needs a gossip schedule without a hub; "
+                    "for a server, use a server algorithm"
+                )
+            if not getattr(self.schedule, "symmetric", False):
+                raise GossipError(
+                    f"participation {self.cfg.participation!r} needs a symmetric schedule "
+                    f"({self.schedule!r} is not): a sitting-out peer's links go to the "
+                    "diagonals, which keeps W_t doubly stochastic only when it is symmetric"
+                )
+        return "gossip"
 
     # ---- one round, in named steps -------------------------------------------------------
-    def local_work(self, t: int) -> None:
-        """E-step + personal update, then the local solver's steps on every peer at once."""
-        theta = self.nodes[: len(self.peers)]
-        if self.cluster_rule is not None:
-            self.round_start = theta.clone()
-        self.personal, q = self.surrogate.begin_round(self, theta, self.personal, self.train.mask)
+    def sample(self, t: int) -> np.ndarray:
+        """This round's participants (n,) bool, from (seed, round) alone: the same on every
+        rank and placement."""
+        return sample_participants(self.cfg.seed, t, self.n_peers, self.n_active)
+
+    def local_work(self, t: int, active: np.ndarray | None = None) -> None:
+        """The participants' client update: E-step + personal update, then the local solver's
+        steps on every participating peer at once; then what they send (``self.outbox``)."""
+        L = len(self.peers)
+        mine = np.ones(L, dtype=bool) if active is None else active[self.peers]
+        act = torch.as_tensor(mine, device=self.device)
+        theta = self.nodes[:L]
+        self.start = theta.clone() if self.keep_start else None
+        personal, q = self.surrogate.begin_round(self, theta, self.personal, self.train.mask)
+        if not mine.all():  # those sitting out keep their personal state
+            personal = {k: _where(act, v, self.personal[k]) for k, v in personal.items()}
+        self.personal = personal
         a = self.cfg.algorithm
-        factor = 0.1 ** sum(t >= f * self.cfg.rounds for f in a.lr_decay)
-        self.local_steps(theta, q, self.opt_state, t, a.local_epochs, a.local_steps, factor)
+        factor = self.solver.factor(t, self.cfg.rounds)
+        self.solver.begin_round(self.opt_state)
+        self.local_steps(theta, q, self.opt_state, t, a.local_epochs, a.local_steps, factor,
+                         active=mine)  # fmt: skip
         self._check_finite(t, theta)
+        self.outbox = self.client_messages(theta, act)
+
+    def client_messages(self, theta: torch.Tensor, act: torch.Tensor) -> dict:
+        """The bundle each peer sends: its parameters, and the scalars and tensors the rule
+        reads (a client part updates its own state here)."""
+        parts = {"theta": theta}
+        for name in self.rule.scalars:
+            if name == "loss":  # the last local minibatch's objective (FedLi)
+                parts[name] = self.last_loss
+            elif name == "eta":  # the last local step size
+                parts[name] = self.opt_state.eta
+            elif name == "sq_delta":  # ||Delta_i||^2 (FedExP)
+                parts[name] = (self.start - theta).double().flatten(1).pow(2).sum(1)
+        if self.client is not None:
+            tensors, self.client_state = self.client.finish(
+                self.client_state, self.start, theta, self.steps_taken, self.opt_state.eta, act
+            )
+            parts.update(tensors)
+        return parts
 
     def local_steps(
-        self, theta, q, opt_state, t, epochs, steps=None, factor=1.0, personal=None, stream=0
-    ) -> None:
-        """The local solver on the surrogate, in place on ``theta`` (L, M, P)."""
+        self, theta, q, opt_state, t, epochs, steps=None, factor=1.0, personal=None, stream=0,
+        active=None,
+    ) -> None:  # fmt: skip
+        """The local solver on the surrogate, in place on ``theta`` (L, M, P); peers not
+        ``active`` take no step."""
         personal = self.personal if personal is None else personal
         L, a = len(self.peers), self.cfg.algorithm
+        counts = self.counts if active is None else np.where(active, self.counts, 0)
         idx, weight = round_batches(
-            self.counts, self.train_ids[self.peers], self.cfg.seed, t, a.batch_size, epochs, steps,
+            counts, self.train_ids[self.peers], self.cfg.seed, t, a.batch_size, epochs, steps,
             stream,
         )  # fmt: skip
         # Only the peers still in their epoch take part in a step (small peers finish early),
@@ -195,15 +305,21 @@ class Trainer:
         # would stop the host at every step.
         filled = weight.sum(-1)  # (S, L) real samples of each peer's batch at step s
         widths = filled.max(-1).astype(np.int64).tolist()
-        active = [np.flatnonzero(f > 0) for f in filled]
-        all_rows = np.concatenate(active or [np.empty(0, dtype=np.int64)])
-        step_rows = torch.as_tensor(all_rows, device=self.device).split([len(a) for a in active])
+        active_rows = [np.flatnonzero(f > 0) for f in filled]
+        all_rows = np.concatenate(active_rows or [np.empty(0, dtype=np.int64)])
+        step_rows = torch.as_tensor(all_rows, device=self.device).split(
+            [len(r) for r in active_rows]
+        )
+        self.steps_taken.copy_(torch.as_tensor((filled > 0).sum(0), device=self.device))
+        batches = torch.as_tensor(-(-self.counts // a.batch_size), device=self.device)
         idx = torch.as_tensor(idx, device=self.device)
         weight = torch.as_tensor(weight, device=self.device)
         anchor = theta.clone() if self.solver.prox_mu else None
         q = q.expand(L, self.M, -1) if q is not None else None
         for s in range(idx.shape[0]):
             rows = step_rows[s]
+            if len(rows) == 0:
+                continue
             # every peer in the step (the big early ones): a slice makes theta, q and the
             # optimizer state views instead of copies
             sel = slice(None) if len(rows) == L else rows
@@ -213,37 +329,104 @@ class Trainer:
             sw = b_w[:, None, :].expand(-1, self.M, -1)
             if q is not None:
                 sw = torch.gather(q[sel], 2, b_idx[:, None, :].expand(-1, self.M, -1)) * sw
-            grad = self.surrogate.shared_grad(self, theta[sel], personal, rows, x, y, sw)
-            self.solver.step(theta, grad, opt_state, sel, self.lr_scale, factor, anchor)
+            grad, loss = self.surrogate.shared_grad(self, theta[sel], personal, rows, x, y, sw)
+            extra = {}
+            if self.track_loss:
+                self.last_loss[sel] = loss.double()
+            if self.client is not None:
+                extra["correction"] = self.client.correction(self.client_state, sel)
+            if self.line_search:
 
-    def mix(self, t: int) -> None:
-        """Exchange with neighbours and mix the shared state through W_t's phases."""
-        flat = self.nodes.view(self.n_local_nodes, -1)
-        if self.cluster_rule is not None:
-            phases, period = [self.cluster_phase()], None
-        elif self.schedule is not None:
-            phases, period = self.schedule.phases(t), self.schedule.period
-        else:
+                def loss_at(cand, sub, x=x, y=y, sw=sw):
+                    return self.surrogate.shared_loss(self, cand, x[sub], y[sub], sw[sub])
+
+                extra.update(loss=loss, loss_at=loss_at, batches=batches[sel])
+            self.solver.step(theta, grad, opt_state, sel, self.lr_scale, factor, anchor, **extra)
+
+    def communicate(self, t: int, active: np.ndarray | None = None) -> None:
+        """Deliver the peers' messages along the route and apply the rule: on the star, the
+        hub's rule between the up and down phases; in gossip, each peer's rule after W_t's
+        phases; or the rule's own phase (Sattler et al.'s split rule)."""
+        if self.route == "none":
             return
+        L = len(self.peers)
+        active = np.ones(self.n_peers, dtype=bool) if active is None else active
+        full = bool(active.all())
+        outbox = self.outbox or {"theta": self.nodes[:L]}
+        if self.route == "rule":
+            delta = (self.nodes[:L] - self.start).flatten(1).double()
+            self.rule_state = self.rule.split(self.rule_state, self.rows_of(delta).cpu().numpy())
+            phases, keys = [self.rule.phase(self.rule_state, self.sizes.astype(np.float64))], None
+        elif self.route == "star":
+            phases = star_phases(active, self.agg_weights)
+            keys = [("star", k) for k in range(2)] if full else None
+        else:
+            phases = [sit_out(p, active) for p in self.schedule.phases(t)]
+            if self.gossip_by_size:
+                phases = [weight_by_size(p, self.sizes) for p in phases]
+            period = self.schedule.period
+            keys = [(t % period, k) for k in range(len(phases))] if period and full else None
+        star = self.route == "star"
+        hub_theta = self.nodes[L:].clone() if star and self.rule.needs_theta else None
+        hook = (lambda k, rows: self._hub(rows, hub_theta, active)) if star else None
+        flat = self._mix(self._pack(outbox), phases, keys, hook)
+        received = self.bundle.unpack(flat)
+        theta = received["theta"]
+        if self.route == "gossip" and self.rule.needs_theta:  # each peer's rule
+            act = torch.as_tensor(active[self.peers], device=self.device)
+            inbox = Inbox({k: v[:L] for k, v in received.items()})
+            new, state = self.rule.update(inbox, self.rule_state, self.start)
+            self.rule_state = {k: _where(act, v, self.rule_state[k]) for k, v in state.items()}
+            theta = torch.cat([_where(act, new, self.nodes[:L]), theta[L:]])
+        self.nodes = theta if theta.is_contiguous() else theta.contiguous()
+        if self.client is not None:
+            mine = {k: v[:L] for k, v in received.items()}
+            self.client_state = self.client.receive(self.client_state, mine)
+        self.outbox = None
+
+    def _pack(self, outbox: dict) -> torch.Tensor:
+        """This rank's message rows (local nodes, width); a hub row starts as zeros."""
+        if self.bundle.plain:
+            return self.nodes.view(self.n_local_nodes, -1)
+        L = len(self.peers)
+        flat = self.nodes.new_zeros((self.n_local_nodes, self.bundle.width))
+        self.bundle.pack(outbox, out=flat[:L])
+        return flat
+
+    def _hub(self, rows: torch.Tensor, hub_theta, active: np.ndarray) -> None:
+        """Between the star's up and down phases, on the hub's rank: the rule turns the
+        participants' average into the model (and tensors) the hub sends back."""
+        L = len(self.peers)
+        clients = {}
+        for name in getattr(self.rule, "per_client", ()):  # a gather: every rank joins it
+            table = self.rows_of(self.outbox[name].double()[:, None])[:, 0]
+            clients[name] = table[torch.as_tensor(active, device=self.device)]
+        if self.comm.rank != 0:
+            return
+        mass = float(self.agg_weights[active].sum() / self.agg_weights.sum())
+        inbox = Inbox(self.bundle.unpack(rows[L:]), clients, mass)
+        new, self.rule_state = self.rule.update(inbox, self.rule_state, hub_theta)
+        reply = {"theta": new, **{k: self.rule_state[k] for k in self.rule.tensors}}
+        reply.update({k: torch.zeros(1, device=self.device) for k in self.rule.scalars})
+        self.bundle.pack(reply, out=rows[L:])
+
+    def _mix(self, flat, phases, keys, hook=None) -> torch.Tensor:
+        """Mix ``flat`` (local nodes, width) through ``phases``, with ``hook(k, rows)`` after
+        phase k; counts the traffic by message kind."""
         for k, phase in enumerate(phases):
-            key = (t % period, k) if period else None
             # double buffering: the previous state becomes the next output (no fresh pages);
             # the first one is zeros, not garbage, in case a kernel reads it despite beta = 0
-            spare = self._spare if self._spare is not None else torch.zeros_like(flat)
-            if self.gossip_by_size:
-                phase = weight_by_size(phase, self.sizes)
-            new = self.exchanger.mix(flat, self.exchanger.plan(phase, key), out=spare)
-            self._spare, flat = flat, new
+            spare = self._spare.pop(flat.shape, None)
+            spare = torch.zeros_like(flat) if spare is None else spare
+            plan = self.exchanger.plan(phase, keys[k] if keys else None)
+            new = self.exchanger.mix(flat, plan, out=spare)
+            self._spare[flat.shape], flat = flat, new
             # what the peers would send with one peer per machine, whatever the placement
-            self.model_bytes += phase.messages * flat.shape[1] * flat.element_size()
-        self.nodes = flat.view_as(self.nodes)
-
-    def cluster_phase(self):
-        """Clustered FL: gather every peer's update of this round, let the (replicated) server
-        rule split clusters, and average within clusters."""
-        delta = (self.nodes[: len(self.peers)] - self.round_start).flatten(1).double()
-        self.cluster_rule.update(self.rows_of(delta).cpu().numpy())
-        return self.cluster_rule.phase(self.sizes.astype(np.float64))
+            for kind, b in self.bundle.bytes_by_kind(phase.messages, flat.element_size()).items():
+                self.kind_bytes[kind] += b
+            if hook is not None and k == 0:
+                hook(k, flat)
+        return flat
 
     def peer_pieces(self, n_peers: int, batch: int) -> list[slice]:
         """Slices of the peer axis with at most ``step_chunk`` samples each (0: one piece); a
@@ -316,17 +499,23 @@ class Trainer:
 
     def evaluate(self, split: PaddedSplit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-peer (loss, accuracy, count) gathered as length-n arrays (training-peer order).
-        FedAvg+ first fine-tunes a copy of each peer's model for its local epochs."""
+        With ``eval.finetune_epochs`` (FedAvg+), a copy of each peer's model first takes that
+        many local epochs of plain SGD (no momentum, decay or rule correction), as FedAvg+ does."""
         theta = self.nodes[: len(self.peers)]
         personal = self.personal
-        if self.spec.finetune_epochs:
+        if self.finetune_epochs:
             theta = theta.clone()
             personal = {k: v.clone() for k, v in personal.items()}
-            steps_state = LocalSGD(self.cfg.algorithm.lr).init(theta)
-            self.local_steps(
-                theta, None, steps_state, self.round, self.spec.finetune_epochs,
-                personal=personal, stream=1,
-            )  # fmt: skip
+            plain = LocalSGD(self.cfg.algorithm.lr)
+            solver, client, self.solver, self.client = self.solver, self.client, plain, None
+            line_search, self.line_search = self.line_search, False
+            try:
+                self.local_steps(
+                    theta, None, plain.init(theta), self.round, self.finetune_epochs,
+                    personal=personal, stream=1,
+                )  # fmt: skip
+            finally:
+                self.solver, self.client, self.line_search = solver, client, line_search
         theta = self.surrogate.eval_state(theta, personal)
         nll, acc = self.scores(split, theta, personal)
         return tuple(self.gather([nll, acc, split.counts], self.peers, self.n_peers))
@@ -369,14 +558,15 @@ class Trainer:
         for t in range(first, cfg.rounds):
             self.round = t
             t0 = time.perf_counter()
-            self.local_work(t)
+            active = self.sample(t)  # who takes part
+            self.local_work(t, active)  # client update: E-step, local steps, outbox
             t1 = self._clock()
-            self.mix(t)
+            self.communicate(t, active)  # deliver; the hub's or each peer's rule
             t2 = self._clock()
             self.times["local"] += t1 - t0
             self.times["exchange"] += t2 - t1
             last = t == cfg.rounds - 1
-            if (t + 1) % cfg.eval.every == 0 or last:
+            if (t + 1) % cfg.eval.every == 0 or last:  # log
                 row = self.metrics_row(t)
                 rows.append(row)
                 if is_main:
@@ -384,7 +574,7 @@ class Trainer:
                 progress.report(t, row)
             progress.tick()
             every = cfg.checkpoint_every
-            if (every and (t + 1) % every == 0) or last:
+            if (every and (t + 1) % every == 0) or last:  # checkpoint
                 self.times["wall"] = time.perf_counter() - start
                 self.checkpoint(out, t + 1, rows)
         progress.close()
@@ -412,14 +602,23 @@ class Trainer:
             "aux": self.nodes[L:].cpu() if self.comm.rank == 0 else None,
             "personal": {k: self.rows_of(v).cpu() for k, v in self.personal.items()},
             "momentum": self.rows_of(self.opt_state.momentum).cpu(),
-            "clusters": self.cluster_rule.clusters if self.cluster_rule else None,
+            "eta": self.rows_of(self.opt_state.eta).cpu(),
+            "rule_state": self._rule_state_rows(),
+            "client_state": {k: self.rows_of(v).cpu() for k, v in self.client_state.items()},
             "times": dict(self.times),
-            "model_bytes": self.model_bytes,
+            "kind_bytes": dict(self.kind_bytes),
             "traffic": self.traffic(),
             "rows": rows,
         }
         if self.comm.rank == 0:
             checkpoint.save(state, out)
+
+    def _rule_state_rows(self) -> dict | None:
+        """The rule's state for a checkpoint: the hub's (rank 0), each peer's in peer order
+        (gossip; every rank joins the gather), or the replicated one."""
+        if self.route == "gossip":
+            return {k: self.rows_of(v).cpu() for k, v in self.rule_state.items()}
+        return {k: v.cpu() for k, v in self.rule_state.items()}
 
     def restore(self, out: Path) -> tuple[int, list]:
         """Load RUN_DIR/checkpoint.pt into this rank's peers; returns (first round, rows)."""
@@ -442,10 +641,15 @@ class Trainer:
             self.nodes[L:] = state["aux"].to(self.device)
         self.personal = {k: v[idx].to(self.device) for k, v in state["personal"].items()}
         self.opt_state.momentum.copy_(state["momentum"][idx])
-        if self.cluster_rule is not None:
-            self.cluster_rule.clusters = state["clusters"]
+        self.opt_state.eta.copy_(state["eta"][idx])
+        saved = {k: v.to(self.device) for k, v in (state["rule_state"] or {}).items()}
+        if self.route == "gossip":  # per peer, saved in peer order
+            self.rule_state = {k: v[idx.to(self.device)] for k, v in saved.items()}
+        elif self.route != "star" or self.comm.rank == 0:  # the hub's, or replicated
+            self.rule_state = saved
+        self.client_state = {k: v[idx].to(self.device) for k, v in state["client_state"].items()}
         self.times = dict(state["times"])
-        self.model_bytes = state["model_bytes"]
+        self.kind_bytes = dict(state["kind_bytes"])
         per_rank = state["traffic"]["bytes_sent_per_rank"]
         if len(per_rank) == self.comm.world_size:  # same layout: each rank its own counters
             self.exchanger.bytes_sent = per_rank[self.comm.rank]
@@ -501,49 +705,30 @@ class Trainer:
 
     def traffic(self) -> dict:
         """Traffic so far: ``model_bytes`` as if every peer were its own machine (the
-        schedule's messages x the shared state's size), and the bytes and messages this run's
-        ranks actually sent to each other, in total and per rank."""
+        route's messages x the message's size; by message kind in ``model_bytes_by_kind``),
+        and the bytes and messages this run's ranks actually sent to each other, in total and
+        per rank."""
         sent = torch.zeros(2, self.comm.world_size, dtype=torch.float64, device=self.device)
         sent[0, self.comm.rank] = self.exchanger.bytes_sent
         sent[1, self.comm.rank] = self.exchanger.messages_sent
         sent = self.comm.all_reduce_sum(sent).cpu().numpy().astype(np.int64)
         return {
-            "model_bytes": int(self.model_bytes),
+            "model_bytes": int(sum(self.kind_bytes.values())),
+            "model_bytes_by_kind": {k: int(v) for k, v in self.kind_bytes.items()},
             "bytes_sent": int(sent[0].sum()),
             "messages_sent": int(sent[1].sum()),
             "bytes_sent_per_rank": sent[0].tolist(),
             "messages_sent_per_rank": sent[1].tolist(),
         }
 
-    def cluster_recovery(self) -> float | None:
-        """Share of peers whose arg-max pi matches their true cluster, under the best matching
-        of components to clusters. Only for data made of clusters: the synthetic generator's
-        true pi (meta['pi']) one-hot for every client."""
-        true_pi = self.dataset.meta.get("pi")
-        if true_pi is None or self.M == 1 or "pi" not in self.personal:
-            return None
-        if not np.all(np.asarray(true_pi).max(1) == 1.0):
-            return None
-        truth = np.asarray(true_pi).argmax(1)
-        pi = self.gathered_pi()
-        truth = truth[self.train_ids]
-        guess = pi.argmax(1)
-        k = max(self.M, int(truth.max()) + 1)
-        agree = np.zeros((k, k), dtype=np.int64)
-        np.add.at(agree, (guess, truth), 1)
-        from itertools import permutations
-
-        best = max(
-            sum(agree[m, c] for m, c in zip(range(k), perm)) for perm in permutations(range(k))
-        )
-        return float(best) / len(truth)
-
     def summary(self, last: dict, wall: float) -> dict:
-        recovery = self.cluster_recovery()
-        extra = {"cluster_recovery": recovery} if recovery is not None else {}
+        # how well the mixture weights find the synthetic data's groups (empty: no groups)
+        extra = recovery_entry(self.dataset.meta.get("pi"), self.gathered_pi(), self.train_ids)
         return {
             **extra,
             "algorithm": self.cfg.algorithm.name,
+            "rule": self.rule.name,
+            "participation": self.n_active,
             "rounds": self.cfg.rounds,
             "test_accuracy": last["test_accuracy"],
             "test_accuracy_p10": last["test_accuracy_p10"],
@@ -561,11 +746,20 @@ class Trainer:
         }
 
     def describe(self) -> str:
-        sched = repr(self.schedule) if self.schedule is not None else "none (W = I)"
+        """The run's first log line: it names the schedule actually used."""
+        k, n = self.n_active, self.n_peers
+        sched = {
+            "star": f"server (a hub averages {k} of {n} clients a round, "
+            f"{self.cfg.aggregation} weights)",
+            "gossip": f"gossip {self.schedule!r}"
+            + (f", {k} of {n} peers a round" if k < n else ""),
+            "rule": f"the rule's own ({self.rule.name})",
+            "none": "none (W = I)",
+        }[self.route]
         return (
-            f"{self.cfg.algorithm.name}: {self.placement.describe()}, M = {self.M}, "
-            f"{self.layout.numel} parameters per component, schedule {sched}, "
-            f"device {self.device}, local work {self.forward.describe()}"
+            f"{self.cfg.algorithm.name}: schedule {sched}, rule {self.rule.name}, "
+            f"{self.placement.describe()}, M = {self.M}, {self.layout.numel} parameters per "
+            f"component, device {self.device}, local work {self.forward.describe()}"
         )
 
     def shared_parameters(self) -> np.ndarray:
@@ -633,6 +827,11 @@ class Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+
+def _where(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    """Per-row choice: ``new`` where ``mask`` (L,) is set, else ``old``."""
+    return torch.where(mask.view(-1, *([1] * (new.dim() - 1))), new, old)
 
 
 def _write_rows(path: Path, rows: list[dict], append: bool = False) -> None:

@@ -46,7 +46,7 @@ def test_one_client_full_batch_equals_direct_em(eps, tmp_path):
     trainer = Trainer(cfg, dataset=data, log=quiet)
     for t in range(cfg.rounds):
         trainer.local_work(t)
-        trainer.mix(t)
+        trainer.communicate(t)
 
     # Direct computation: same initial components, full-batch EM.
     layout = ParamLayout(Linear((5,), 1))
@@ -129,7 +129,7 @@ def test_gossip_client_weighting_mixes_with_the_size_weighted_matrix(tmp_path):
     W, n = trainer.schedule.matrix(0), trainer.sizes.astype(np.float64)
     want = (W * n[None, :]) @ theta / (W @ n)[:, None]
     for t in range(2):
-        trainer.mix(t)
+        trainer.communicate(t)
         got = trainer.nodes.double().numpy().reshape(8, -1)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         want = (W * n[None, :]) @ want / (W @ n)[:, None]
@@ -144,7 +144,7 @@ def test_pi_stays_on_simplex_and_consensus_falls(tmp_path):
     distances = [sum(trainer.consensus_distance())]
     for t in range(6):
         trainer.local_work(t)
-        trainer.mix(t)
+        trainer.communicate(t)
         pi = trainer.personal["pi"]
         assert torch.all(pi >= 0)
         torch.testing.assert_close(pi.sum(1), torch.ones(8), rtol=0, atol=1e-6)
@@ -219,9 +219,10 @@ def test_clustered_fl_bipartition_and_phase():
 
     rule = ClusteredRule(4, tol1=0.5, tol2=1.0)
     updates = np.array([[2.0, 0], [1.9, 0.1], [-2.0, 0], [-2.1, 0.1]])  # mean ~0, norms ~2
-    rule.update(updates)
-    assert sorted(map(sorted, (c.tolist() for c in rule.clusters))) == [[0, 1], [2, 3]]
-    w = rule.phase(np.array([1.0, 3.0, 1.0, 1.0])).dense()
+    state = rule.split(rule.init(), updates)
+    labels = state["labels"].numpy()
+    assert labels[0] == labels[1] != labels[2] == labels[3]
+    w = rule.phase(state, np.array([1.0, 3.0, 1.0, 1.0])).dense()
     np.testing.assert_allclose(w[0], [0.25, 0.75, 0, 0])
     np.testing.assert_allclose(w.sum(1), 1)
 

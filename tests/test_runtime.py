@@ -127,7 +127,7 @@ def test_gossip_preserves_average_and_contracts_at_rho(tmp_path):
     rho = np.linalg.norm(W - 1 / 8, 2)
     d_prev = sum(trainer.consensus_distance())
     for t in range(20):
-        trainer.mix(t)
+        trainer.communicate(t)
         d = sum(trainer.consensus_distance())
         assert d <= rho**2 * d_prev * (1 + 1e-5)
         d_prev = d
@@ -139,7 +139,7 @@ def test_gossip_preserves_average_and_contracts_at_rho(tmp_path):
         torch.as_tensor(slow, dtype=torch.float32)[:, None, None].expand_as(trainer.nodes)
     )
     before = sum(trainer.consensus_distance())
-    trainer.mix(0)
+    trainer.communicate(0)
     assert sum(trainer.consensus_distance()) == pytest.approx(rho**2 * before, rel=1e-5)
 
 
@@ -149,7 +149,7 @@ def _die_at_round_2(cfg):
         if t == 2 and trainer.comm.rank == 1:
             os._exit(3)  # a crashed rank: no clean-up, no goodbye
         trainer.local_work(t)
-        trainer.mix(t)
+        trainer.communicate(t)
     return "finished"
 
 

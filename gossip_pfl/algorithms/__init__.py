@@ -14,30 +14,42 @@ from gossip_pfl.errors import GossipError
 
 @dataclass(frozen=True)
 class AlgorithmSpec:
-    """How a named algorithm is composed."""
+    """How a named algorithm is composed: a surrogate, a local solver, a rule and a topology."""
 
     single_model: bool  #: M is forced to 1
-    #: "server" (the hub schedule), "given" (the config's schedule), "none" (W = I),
-    #: "clusters" (Clustered FL's server rule: averaging within learned clusters)
+    #: "server" (the star: a hub aggregates the participants), "given" (the config's gossip
+    #: schedule), "none" (W = I)
     topology: str
+    rule: str = "average"  #: the default aggregation rule (gossip_pfl.algorithms.rules)
     prox: bool = False  #: FedProx's proximal term toward the round's starting model
-    finetune_epochs: int = 0  #: FedAvg+: local epochs on a copy before evaluation
+    finetune_epochs: int = 0  #: default of eval.finetune_epochs (FedAvg+: 1)
+    solver: str = "sgd"  #: local solver: sgd | armijo (FedLi-LS's line search)
     summary: str = ""
+
+
+def _server(rule: str, summary: str, **kw) -> AlgorithmSpec:
+    return AlgorithmSpec(True, "server", rule=rule, summary=summary, **kw)
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
     "fedem": AlgorithmSpec(False, "server", summary="FedEM (Alg. 2) over the server schedule"),
     "dfedem": AlgorithmSpec(False, "given", summary="D-FedEM (Alg. 4) over any schedule"),
-    "fedavg": AlgorithmSpec(True, "server", summary="FedAvg: one model over the server schedule"),
+    "fedavg": _server("average", "FedAvg: one model over the server schedule"),
     "dsgd": AlgorithmSpec(True, "given", summary="decentralized SGD: one model, any schedule"),
     "local": AlgorithmSpec(True, "none", summary="Local: each peer alone (W = I)"),
-    "fedprox": AlgorithmSpec(True, "server", prox=True, summary="FedProx: FedAvg + mu/2 prox"),
-    "fedavg_plus": AlgorithmSpec(
-        True, "server", finetune_epochs=1, summary="FedAvg+: one local epoch at evaluation"
-    ),
-    "pfedme": AlgorithmSpec(True, "server", summary="pFedMe: personal models, prox to shared"),
-    "apfl": AlgorithmSpec(True, "server", summary="APFL: personal + shared, learned alpha"),
-    "clustered": AlgorithmSpec(True, "clusters", summary="Clustered FL (Sattler et al.)"),
+    "fedprox": _server("average", "FedProx: FedAvg + mu/2 prox", prox=True),
+    "fedavg_plus": _server("average", "FedAvg+: one local epoch at evaluation", finetune_epochs=1),
+    "pfedme": _server("average", "pFedMe: personal models, prox to shared"),
+    "apfl": _server("average", "APFL: personal + shared, learned alpha"),
+    "clustered": _server("clustered", "Clustered FL (Sattler et al.)"),
+    "fedavgm": _server("fedavgm", "FedAvgM: server momentum on the pseudo-gradient"),
+    "fedadam": _server("fedadam", "FedAdam (Reddi et al. 2021)"),
+    "fedyogi": _server("fedyogi", "FedYogi (Reddi et al. 2021)"),
+    "fedadagrad": _server("fedadagrad", "FedAdagrad (Reddi et al. 2021)"),
+    "fedexp": _server("fedexp", "FedExP: extrapolated server step (Jhunjhunwala et al. 2023)"),
+    "fedli_lu": _server("fedli_lu", "FedLi-LU: SGD clients, capped Polyak server step"),
+    "fedli_ls": _server("fedli_ls", "FedLi-LS: Armijo line search on clients", solver="armijo"),
+    "scaffold": _server("scaffold", "SCAFFOLD (option II control variates)"),
 }
 
 
@@ -54,6 +66,20 @@ def build_surrogate(cfg, spec: AlgorithmSpec, components: int, task: str):
         alpha_lr = a.alpha_lr if a.alpha_lr is not None else personal_lr
         return APFLSurrogate(1, task, a.batch_size, a.alpha, personal_lr, alpha_lr)
     return MixtureSurrogate(components, task, a.batch_size, a.pi_init, cfg.seed, a.q_smoothing)
+
+
+def build_solver(cfg, spec: AlgorithmSpec):
+    """The local solver an algorithm uses, with the config's step sizes."""
+    from gossip_pfl.runtime.solver import LocalArmijo, LocalSGD
+
+    a = cfg.algorithm
+    mu = a.mu if spec.prox else 0.0
+    decay = tuple(a.lr_decay)
+    if spec.solver == "armijo":
+        ls = cfg.line_search
+        return LocalArmijo(a.lr, 0.0, a.weight_decay, mu, decay, ls.c, ls.beta, ls.eta_max,
+                           ls.max_trials, ls.reset)  # fmt: skip
+    return LocalSGD(a.lr, a.momentum, a.weight_decay, mu, decay)
 
 
 def get_algorithm(name: str) -> AlgorithmSpec:

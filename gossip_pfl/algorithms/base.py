@@ -45,9 +45,10 @@ class Surrogate(Protocol):
 
     def shared_grad(
         self, ctx: Context, theta: torch.Tensor, personal: dict, rows, x, y, sw
-    ) -> torch.Tensor:
-        """Gradient in u of the surrogate on one minibatch for the peers ``rows``; may update
-        those peers' personal variables in place (pFedMe, APFL)."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradient in u of the surrogate on one minibatch for the peers ``rows``, and each
+        peer's minibatch loss (A,); may update those peers' personal variables in place
+        (pFedMe, APFL)."""
 
     def eval_state(self, theta: torch.Tensor, personal: dict) -> torch.Tensor:
         """The (L, M, P) parameters a peer predicts with (its personal model where it has one)."""
@@ -56,18 +57,28 @@ class Surrogate(Protocol):
         """logits (L, M, B, C) -> class probabilities (L, B, K)."""
 
 
+def weighted_loss(ctx: Context, theta: torch.Tensor, x, y, sw, batch_size: int) -> torch.Tensor:
+    """(sum_b sw_b * loss_b) / |batch| per peer, summed over components: (A,)."""
+    per = sample_loss(ctx.forward(theta, x), y, ctx.task)  # (A, M, B)
+    return (per * sw).sum((1, 2)) / batch_size
+
+
 def weighted_loss_grad(ctx: Context, theta: torch.Tensor, x, y, sw, batch_size: int):
     """Gradient of (sum_b sw_b * loss_b) / |batch| per peer and component (the released FedEM
-    code's normalization), by autograd through the batched forward.
+    code's normalization), by autograd through the batched forward, and that loss per peer
+    (A,).
 
     Peers are independent, so the step may run in pieces of the peer axis (``ctx.peer_pieces``):
     a big convolutional step then keeps its activations near the cache instead of streaming
     hundreds of MB through memory. Each piece is its own autograd leaf (a slice of one leaf
     would cost a full-size gradient per piece)."""
-    grads = []
+    grads, losses = [], []
     for sl in ctx.peer_pieces(theta.shape[0], x.shape[1]):
         theta_g = theta[sl].detach().requires_grad_(True)
         per = sample_loss(ctx.forward(theta_g, x[sl]), y[sl], ctx.task)  # (A, M, B)
         (grad,) = torch.autograd.grad((per * sw[sl]).sum() / batch_size, theta_g)
         grads.append(grad)
-    return grads[0] if len(grads) == 1 else torch.cat(grads)
+        losses.append((per.detach() * sw[sl]).sum((1, 2)) / batch_size)
+    if len(grads) == 1:
+        return grads[0], losses[0]
+    return torch.cat(grads), torch.cat(losses)

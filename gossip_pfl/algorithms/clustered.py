@@ -5,14 +5,16 @@ The server keeps a partition of the peers into clusters and averages models with
 stationary point, ||mean dW|| < tol1) while some peer's update is still large
 (max ||dW_i|| > tol2) is split in two by the cosine similarity of its peers' updates
 (complete-linkage agglomeration down to two groups). Every rank holds the same state: the rule
-is a pure function of all peers' updates, which the runtime gathers.
+is a pure function of all peers' updates, which the runtime gathers: its route replaces the
+schedule (see ``train.Trainer.communicate``).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from topologies import Phase
 
@@ -43,37 +45,42 @@ def bipartition(similarity: np.ndarray) -> np.ndarray:
     return label == label[0]
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClusteredRule:
-    """The server's cluster state and its within-cluster averaging phase."""
+    """The server's cluster state and its within-cluster averaging, as a rule whose state is
+    every peer's cluster label (replicated on every rank) and whose route is its own phase."""
 
     n: int
     tol1: float = 0.4
     tol2: float = 1.6
-    clusters: list[np.ndarray] = field(default_factory=list)
+    name: str = "clustered"
+    gossip: bool = False
+    scalars: tuple[str, ...] = ()
+    tensors: tuple[str, ...] = ()
+    needs_theta: bool = True  #: the round-start models: updates are measured from them
 
-    def __post_init__(self):
-        if not self.clusters:
-            self.clusters = [np.arange(self.n)]
+    def init(self, theta=None) -> dict[str, torch.Tensor]:
+        return {"labels": torch.zeros(self.n, dtype=torch.int64)}
 
-    def update(self, updates: np.ndarray) -> None:
+    def split(self, state: dict, updates: np.ndarray) -> dict:
         """Split clusters after a round, given every peer's update (n, P)."""
+        labels = state["labels"].numpy().copy()
         norms = np.linalg.norm(updates, axis=1)
-        new = []
-        for members in self.clusters:
+        for c in np.unique(labels):
+            members = np.flatnonzero(labels == c)
             mean_norm = np.linalg.norm(updates[members].mean(0))
             if len(members) > 2 and mean_norm < self.tol1 and norms[members].max() > self.tol2:
                 u = updates[members] / np.maximum(norms[members, None], 1e-12)
                 side = bipartition(u @ u.T)
-                new += [members[side], members[~side]]
-            else:
-                new.append(members)
-        self.clusters = new
+                labels[members[~side]] = labels.max() + 1
+        return {"labels": torch.as_tensor(labels)}
 
-    def phase(self, sizes: np.ndarray) -> Phase:
+    def phase(self, state: dict, sizes: np.ndarray) -> Phase:
         """x_i <- sum_{j in cluster(i)} n_j / n_c x_j for every peer i."""
+        labels = state["labels"].numpy()
         rows, cols, vals = [], [], []
-        for members in self.clusters:
+        for c in np.unique(labels):
+            members = np.flatnonzero(labels == c)
             w = sizes[members] / sizes[members].sum()
             rows.append(np.repeat(members, len(members)))
             cols.append(np.tile(members, len(members)))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from gossip_pfl.algorithms.base import weighted_loss_grad
+from gossip_pfl.algorithms.base import weighted_loss, weighted_loss_grad
 from gossip_pfl.algorithms.losses import probabilities
 
 PI_STREAM = 7  #: keeps the pi draws apart from the minibatch streams (0, 1) of the same peer
@@ -47,9 +47,14 @@ class MixtureSurrogate:
             return personal, None
         return self.update_personal(personal, ctx.train_losses(theta), mask)
 
-    def shared_grad(self, ctx, theta, personal, rows, x, y, sw) -> torch.Tensor:
+    def shared_grad(self, ctx, theta, personal, rows, x, y, sw):
         """q-weighted local loss: each component sees the samples it is responsible for."""
         return weighted_loss_grad(ctx, theta, x, y, sw, self.batch_size)
+
+    @torch.no_grad()
+    def shared_loss(self, ctx, theta, x, y, sw) -> torch.Tensor:
+        """The loss whose gradient ``shared_grad`` gives, at other parameters (line search)."""
+        return weighted_loss(ctx, theta, x, y, sw, self.batch_size)
 
     def eval_state(self, theta: torch.Tensor, personal: dict) -> torch.Tensor:
         return theta

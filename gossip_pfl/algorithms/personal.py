@@ -43,13 +43,13 @@ class PFedMeSurrogate(_PersonalModelBase):
     def init_personal(self, peers: np.ndarray, theta0: torch.Tensor) -> dict[str, torch.Tensor]:
         return {"model": theta0.expand(len(peers), *theta0.shape).clone()}
 
-    def shared_grad(self, ctx, theta, personal, rows, x, y, sw) -> torch.Tensor:
+    def shared_grad(self, ctx, theta, personal, rows, x, y, sw):
         model = personal["model"][rows]
         for _ in range(self.inner_steps):  # approximate prox: min f(th) + lam/2 ||th - w||^2
-            g = weighted_loss_grad(ctx, model, x, y, sw, self.batch_size)
+            g, loss = weighted_loss_grad(ctx, model, x, y, sw, self.batch_size)
             model = model - self.personal_lr * (g + self.lam * (model - theta))
         personal["model"][rows] = model
-        return self.lam * (theta - model)
+        return self.lam * (theta - model), loss
 
     def eval_state(self, theta: torch.Tensor, personal: dict) -> torch.Tensor:
         return personal["model"]
@@ -71,10 +71,10 @@ class APFLSurrogate(_PersonalModelBase):
             "alpha": torch.full((len(peers),), self.alpha, device=theta0.device),
         }
 
-    def shared_grad(self, ctx, theta, personal, rows, x, y, sw) -> torch.Tensor:
+    def shared_grad(self, ctx, theta, personal, rows, x, y, sw):
         v, alpha = personal["model"][rows], personal["alpha"][rows][:, None, None]
         mixed = alpha * v + (1 - alpha) * theta
-        g_mixed = weighted_loss_grad(ctx, mixed, x, y, sw, self.batch_size)
+        g_mixed, _ = weighted_loss_grad(ctx, mixed, x, y, sw, self.batch_size)
         personal["model"][rows] = v - self.personal_lr * alpha * g_mixed
         g_alpha = ((v - theta) * g_mixed).sum(dim=(1, 2))
         personal["alpha"][rows] = (alpha[:, 0, 0] - self.alpha_lr * g_alpha).clamp(0.0, 1.0)

@@ -1,12 +1,15 @@
-"""The local solver: minibatch SGD on every peer's shared variables at once.
+"""Local solvers: steps on every peer's shared variables at once, each an (init, step) pair that
+owns its step-size schedule.
 
 Works on the ``(L, M, P)`` stack in place. Each peer has its own step-size multiplier (FedEM's
 n_t/n weighting), and a step updates only the peers that still have a batch in it: a peer whose
-epoch is over is left untouched, momentum and weight decay included.
+epoch is over is left untouched, momentum and weight decay included. Every solver records the
+step size each peer took last (``state.eta``): FedLi's clients send it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -17,20 +20,43 @@ class SGDState:
     """Private per-peer optimizer state (never mixed)."""
 
     momentum: torch.Tensor  # (L, M, P)
+    eta: torch.Tensor  # (L,) the last step size each peer took
 
 
 @dataclass(frozen=True)
 class LocalSGD:
     """SGD with momentum and weight decay as ``torch.optim.SGD`` defines them (dampening 0),
-    applied per peer with a mask; ``prox_mu`` adds FedProx's ``mu/2 ||u - u_anchor||^2``."""
+    applied per peer with a mask; ``prox_mu`` adds FedProx's ``mu/2 ||u - u_anchor||^2``;
+    ``lr_decay`` are fractions of the run after which the step size is multiplied by 0.1."""
 
     lr: float
     momentum: float = 0.0
     weight_decay: float = 0.0
     prox_mu: float = 0.0
+    lr_decay: tuple[float, ...] = ()
 
     def init(self, theta: torch.Tensor) -> SGDState:
-        return SGDState(torch.zeros_like(theta))
+        eta = torch.zeros(theta.shape[0], dtype=torch.float64, device=theta.device)
+        return SGDState(torch.zeros_like(theta), eta)
+
+    def factor(self, t: int, rounds: int) -> float:
+        """The step-size schedule: 0.1 per decay point passed."""
+        return 0.1 ** sum(t >= f * rounds for f in self.lr_decay)
+
+    def begin_round(self, state: SGDState) -> None:
+        pass
+
+    def direction(self, theta, grad, rows, anchor=None, correction=None) -> torch.Tensor:
+        """The gradient with weight decay, the proximal term and a control-variate correction
+        (SCAFFOLD's c - c_i) added."""
+        g = grad
+        if self.weight_decay:
+            g = g + self.weight_decay * theta[rows]
+        if self.prox_mu and anchor is not None:
+            g = g + self.prox_mu * (theta[rows] - anchor[rows])
+        if correction is not None:
+            g = g + correction
+        return g
 
     @torch.no_grad()
     def step(
@@ -38,21 +64,95 @@ class LocalSGD:
         theta: torch.Tensor,
         grad: torch.Tensor,
         state: SGDState,
-        rows: torch.Tensor,
+        rows: torch.Tensor | slice,
         lr_scale: torch.Tensor,
         lr_factor: float = 1.0,
         anchor: torch.Tensor | None = None,
+        correction: torch.Tensor | None = None,
+        **_,
     ) -> None:
         """One in-place step on the peers ``rows`` (indices into theta's first axis, or a
         slice); ``grad`` holds their gradients in that order. ``lr_scale`` (L,) is a per-peer
         multiplier."""
         p = theta[rows]
-        g = grad
-        if self.weight_decay:
-            g = g + self.weight_decay * p
-        if self.prox_mu and anchor is not None:
-            g = g + self.prox_mu * (p - anchor[rows])
+        g = self.direction(theta, grad, rows, anchor, correction)
         if self.momentum:
             g = self.momentum * state.momentum[rows] + g
             state.momentum[rows] = g
         theta[rows] = p - (self.lr * lr_factor) * lr_scale[rows, None, None] * g
+        state.eta[rows] = (self.lr * lr_factor) * lr_scale[rows].double()
+
+
+@dataclass(frozen=True)
+class LocalArmijo(LocalSGD):
+    """SGD with a stochastic Armijo line search on each minibatch (FedLi-LS's client,
+    Vaswani et al. 2019's SLS): from the reset step size, try eta, eta beta, eta beta^2, ...
+    until ``f_B(w - eta g) <= f_B(w) - c eta ||g||^2`` on the same minibatch (weight decay in
+    both f and g); at most ``max_trials`` trials (the last one is taken if none passes); no step
+    when ``||g|| < 1e-8``. Each round starts at ``eta_max``; ``reset`` grow multiplies the last
+    accepted eta by 2^(1 / batches per epoch) (capped at eta_max), keep reuses it, max restarts
+    from eta_max every step. No momentum (the paper's Algorithm 3)."""
+
+    c: float = 0.1
+    beta: float = 0.9
+    eta_max: float = 1.0
+    max_trials: int = 100
+    reset: str = "grow"
+
+    def init(self, theta: torch.Tensor) -> SGDState:
+        state = super().init(theta)
+        state.eta.fill_(self.eta_max)
+        return state
+
+    def begin_round(self, state: SGDState) -> None:
+        state.eta.fill_(self.eta_max)
+
+    @torch.no_grad()
+    def step(
+        self,
+        theta: torch.Tensor,
+        grad: torch.Tensor,
+        state: SGDState,
+        rows: torch.Tensor | slice,
+        lr_scale: torch.Tensor,
+        lr_factor: float = 1.0,
+        anchor: torch.Tensor | None = None,
+        correction: torch.Tensor | None = None,
+        loss: torch.Tensor | None = None,
+        loss_at: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        batches: torch.Tensor | None = None,
+    ) -> None:
+        """``loss`` (A,) the minibatch loss at theta[rows]; ``loss_at(candidate, sub)`` the
+        same minibatch's loss of candidate parameters for the step's peers ``sub``; ``batches``
+        (A,) each peer's batches per epoch (for the grow reset)."""
+        p = theta[rows]
+        g = self.direction(theta, grad, rows, anchor, correction)
+        f0 = loss.double() + self._decay(p)
+        g2 = g.double().flatten(1).pow(2).sum(1)
+        eta = state.eta[rows].clone()
+        if self.reset == "grow":
+            eta = (eta * 2.0 ** (1.0 / batches.double())).clamp_max(self.eta_max)
+        elif self.reset == "max":
+            eta = torch.full_like(eta, self.eta_max)
+        pending = g2 >= 1e-16  # ||g|| >= 1e-8; the others take no step
+        step = torch.where(pending, eta, torch.zeros_like(eta))
+        for trial in range(self.max_trials):
+            sub = pending.nonzero()[:, 0]
+            if len(sub) == 0:
+                break
+            cand = p[sub] - eta[sub].to(p.dtype)[:, None, None] * g[sub]
+            f1 = loss_at(cand, sub).double() + self._decay(cand)
+            ok = f1 <= f0[sub] - self.c * eta[sub] * g2[sub]
+            step[sub] = eta[sub]
+            last = trial == self.max_trials - 1
+            done = ok | last
+            pending[sub[done]] = False
+            shrink = sub[~done]
+            eta[shrink] = eta[shrink] * self.beta
+        theta[rows] = p - step.to(p.dtype)[:, None, None] * g
+        state.eta[rows] = torch.where(g2 >= 1e-16, step, state.eta[rows])
+
+    def _decay(self, p: torch.Tensor) -> torch.Tensor:
+        if not self.weight_decay:
+            return torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
+        return 0.5 * self.weight_decay * p.double().flatten(1).pow(2).sum(1)

@@ -1,0 +1,302 @@
+"""Aggregation rules: what a hub (or, in gossip form, each peer) does with what it receives.
+
+A rule is an optax-style pair with explicit state::
+
+    state = rule.init(theta)                          # theta (R, M, P)
+    theta, state = rule.update(inbox, state, theta)   # one round
+
+``R`` is 1 on the server schedule (the hub's model and state) and L, a rank's peers, on a gossip
+schedule: the same code is the hub rule and its gossip form. ``theta`` is the model each row held
+when the round began (the hub's w_t; a peer's own model); ``inbox.mean`` holds, per row, the
+weighted average of every message kind its senders sent (the participants on the star; the
+neighbours through W_t in gossip), so the pseudo-gradient is ``theta - inbox.mean["theta"]``.
+
+Rules read per-client scalars by name (``scalars``) and may carry parameter-shaped tensors
+(``tensors``) beside theta both ways: clients send one (SCAFFOLD: the change of their control
+variate), the hub sends back its state of the same name. A client part (``client``) changes the
+local steps and computes those messages.
+
+Rules (Reddi et al. 2021, "Adaptive Federated Optimization"; Jhunjhunwala et al. 2023,
+"FedExP"; Geetika, Uniyal, Chatterjee, "Towards hyper-parameter-free federated learning";
+Karimireddy et al. 2020, "SCAFFOLD"; Sattler et al. 2020, "Clustered Federated Learning").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gossip_pfl.errors import GossipError
+
+State = dict[str, torch.Tensor]
+
+
+@dataclass
+class Inbox:
+    """What a rule receives in one round."""
+
+    mean: dict[str, torch.Tensor]  #: kind -> per-row weighted average ((R, M, P) or (R,))
+    #: hub only: each participant's scalars, kind -> (S,)
+    clients: dict[str, torch.Tensor] = field(default_factory=dict)
+    #: hub only: the participants' share of the total aggregation weight (1 on full rounds)
+    mass: float = 1.0
+
+
+def _norm2(x: torch.Tensor) -> torch.Tensor:
+    """Per-row squared norm over every component and coordinate, in float64: (R,)."""
+    return x.double().flatten(1).pow(2).sum(1)
+
+
+def _rows(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A per-row scalar (R,) broadcast against (R, M, P), in ``like``'s dtype."""
+    return v.to(like.dtype)[:, None, None]
+
+
+@dataclass(frozen=True)
+class Average:
+    """FedAvg's weighted average (and decentralized SGD's W_t mix): theta <- the average."""
+
+    name: str = "average"
+    gossip: bool = True
+    scalars: tuple[str, ...] = ()
+    tensors: tuple[str, ...] = ()
+    needs_theta: bool = False  #: the round-start model is not read: no copy is kept
+
+    def init(self, theta: torch.Tensor) -> State:
+        return {}
+
+    def update(self, inbox: Inbox, state: State, theta) -> tuple[torch.Tensor, State]:
+        return inbox.mean["theta"], state
+
+
+@dataclass(frozen=True)
+class ServerOpt:
+    """A server optimizer on the pseudo-gradient d = theta - mean(theta_i) (Reddi et al. 2021,
+    Algorithm 2, in descent form):
+
+    - ``sgd``: theta - lr d (FedAvg for lr = 1);
+    - ``momentum`` (FedAvgM): m = beta1 m + d; theta - lr m;
+    - ``adam``: m = beta1 m + (1 - beta1) d, v = beta2 v + (1 - beta2) d^2;
+    - ``yogi``: v = v - (1 - beta2) d^2 sign(v - d^2);
+    - ``adagrad``: v = v + d^2;
+      the adaptive three step theta - lr m / (sqrt(v) + tau), v starting at tau^2, no bias
+      correction (as the paper).
+    """
+
+    kind: str = "adam"
+    lr: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.99
+    tau: float = 1e-3
+    gossip: bool = False
+    scalars: tuple[str, ...] = ()
+    tensors: tuple[str, ...] = ()
+    needs_theta: bool = True
+
+    @property
+    def name(self) -> str:
+        return {"sgd": "server_sgd", "momentum": "fedavgm"}.get(self.kind, "fed" + self.kind)
+
+    def init(self, theta: torch.Tensor) -> State:
+        if self.kind == "sgd":
+            return {}
+        state = {"m": torch.zeros_like(theta)}
+        if self.kind != "momentum":
+            state["v"] = torch.full_like(theta, self.tau**2)
+        return state
+
+    def update(self, inbox: Inbox, state: State, theta) -> tuple[torch.Tensor, State]:
+        d = theta - inbox.mean["theta"]
+        if self.kind == "sgd":
+            return theta - self.lr * d, state
+        if self.kind == "momentum":
+            m = self.beta1 * state["m"] + d
+            return theta - self.lr * m, {"m": m}
+        m = self.beta1 * state["m"] + (1 - self.beta1) * d
+        d2, v = d * d, state["v"]
+        if self.kind == "adam":
+            v = self.beta2 * v + (1 - self.beta2) * d2
+        elif self.kind == "yogi":
+            v = v - (1 - self.beta2) * d2 * torch.sign(v - d2)
+        else:  # adagrad
+            v = v + d2
+        return theta - self.lr * m / (v.sqrt() + self.tau), {"m": m, "v": v}
+
+
+@dataclass(frozen=True)
+class FedExP:
+    """FedExP (Jhunjhunwala et al. 2023): extrapolate along the average update,
+    ``eta_g = max(1, mean ||Delta_i||^2 / (2 (||Delta||^2 + eps)))``, ``theta - eta_g Delta``.
+    Means are over the senders with the aggregation weights (the paper's 1/S for uniform
+    weights). Gossip form (new): a peer uses its neighbours' W_t-weighted means."""
+
+    eps: float = 1e-3
+    name: str = "fedexp"
+    gossip: bool = True
+    scalars: tuple[str, ...] = ("sq_delta",)
+    tensors: tuple[str, ...] = ()
+    needs_theta: bool = True
+
+    def step_size(self, inbox: Inbox, theta: torch.Tensor) -> torch.Tensor:
+        d2 = _norm2(theta - inbox.mean["theta"])
+        ratio = inbox.mean["sq_delta"].double() / (2 * (d2 + self.eps))
+        return ratio.clamp_min(1.0)
+
+    def update(self, inbox: Inbox, state: State, theta) -> tuple[torch.Tensor, State]:
+        eta = self.step_size(inbox, theta)
+        return theta - _rows(eta, theta) * (theta - inbox.mean["theta"]), {"eta_g": eta}
+
+    def init(self, theta: torch.Tensor) -> State:
+        return {"eta_g": torch.ones(theta.shape[0], dtype=torch.float64, device=theta.device)}
+
+
+@dataclass(frozen=True)
+class FedLiLU:
+    """FedLi-LU's server step (Algorithm 2, eq. 21 in the intended form of the digest):
+    ``r = lam theta``, ``gamma = clip((f - eta <Delta, r>) / (eta ||Delta||^2), 0, 1)``,
+    ``theta - eta (r + gamma Delta)`` with f the weighted mean of the clients' last losses.
+    With lam = 0 the step along Delta is min(eta, f / ||Delta||^2): a capped Polyak step.
+    No step along Delta when ||Delta|| = 0. Gossip form (new): per peer, over neighbours."""
+
+    lam: float = 0.0
+    eta: float = 1.0
+    name: str = "fedli_lu"
+    gossip: bool = True
+    scalars: tuple[str, ...] = ("loss",)
+    tensors: tuple[str, ...] = ()
+    needs_theta: bool = True
+
+    def init(self, theta: torch.Tensor) -> State:
+        return {"gamma": torch.zeros(theta.shape[0], dtype=torch.float64, device=theta.device)}
+
+    def update(self, inbox: Inbox, state: State, theta) -> tuple[torch.Tensor, State]:
+        d = theta - inbox.mean["theta"]
+        r = self.lam * theta
+        d2 = _norm2(d)
+        inner = (d.double() * r.double()).flatten(1).sum(1)
+        f = inbox.mean["loss"].double()
+        gamma = (f - self.eta * inner) / (self.eta * d2.clamp_min(1e-300))
+        gamma = torch.where(d2 > 0, gamma.clamp(0.0, 1.0), torch.zeros_like(gamma))
+        return theta - self.eta * (r + _rows(gamma, theta) * d), {"gamma": gamma}
+
+
+@dataclass(frozen=True)
+class FedLiLS:
+    """FedLi-LS's server step after clients' Armijo line searches: theta - s Delta with s = 1
+    (``step: one``, the paper's choice for all its runs: the weighted average) or
+    s = max_i eta_i over the participants (``step: max``, its non-convex heuristic)."""
+
+    step: str = "one"
+    name: str = "fedli_ls"
+    scalars: tuple[str, ...] = ("eta",)
+    tensors: tuple[str, ...] = ()
+    needs_theta: bool = True
+
+    @property
+    def gossip(self) -> bool:  # max over clients needs the hub's view of every participant
+        return self.step == "one"
+
+    def init(self, theta: torch.Tensor) -> State:
+        return {"step": torch.ones(theta.shape[0], dtype=torch.float64, device=theta.device)}
+
+    def update(self, inbox: Inbox, state: State, theta) -> tuple[torch.Tensor, State]:
+        if self.step == "one":
+            return inbox.mean["theta"], state
+        s = inbox.clients["eta"].double().max().expand(theta.shape[0])
+        return theta - _rows(s, theta) * (theta - inbox.mean["theta"]), {"step": s}
+
+
+@dataclass(frozen=True)
+class Scaffold:
+    """SCAFFOLD's server (option II): theta + lr (mean theta_i - theta); the hub's control
+    variate c <- c + mass * mean(delta c_i), mass the participants' share of the aggregation
+    weight (|S| / N for uniform weights), so c stays the weighted mean of the clients' c_i."""
+
+    lr: float = 1.0
+    name: str = "scaffold"
+    gossip: bool = False
+    scalars: tuple[str, ...] = ()
+    tensors: tuple[str, ...] = ("control",)
+    needs_theta: bool = True
+
+    def init(self, theta: torch.Tensor) -> State:
+        return {"control": torch.zeros_like(theta)}
+
+    def update(self, inbox: Inbox, state: State, theta) -> tuple[torch.Tensor, State]:
+        new = theta + self.lr * (inbox.mean["theta"] - theta)
+        return new, {"control": state["control"] + inbox.mass * inbox.mean["control"]}
+
+
+class ScaffoldClient:
+    """SCAFFOLD's client part: local gradients corrected by c - c_i; after K_i local steps of
+    size lr_i, c_i+ = c_i - c + (x - y) / (K_i lr_i) (option II), and the message carries
+    delta c_i = c_i+ - c_i."""
+
+    def init(self, theta: torch.Tensor) -> State:
+        """Per-client state for L peers: own c_i and the last c received from the hub."""
+        return {"c_i": torch.zeros_like(theta), "c": torch.zeros_like(theta)}
+
+    def correction(self, state: State, rows) -> torch.Tensor:
+        return state["c"][rows] - state["c_i"][rows]
+
+    def finish(self, state, start, theta, steps, lr, active) -> tuple[dict, State]:
+        """``steps`` (L,) local steps taken, ``lr`` (L,) their step size; returns the
+        message tensors and the new state (only active clients change)."""
+        k = (steps * lr).clamp_min(1e-30).to(theta.dtype)[:, None, None]
+        new_ci = state["c_i"] - state["c"] + (start - theta) / k
+        act = active[:, None, None]
+        new_ci = torch.where(act, new_ci, state["c_i"])
+        return {"control": new_ci - state["c_i"]}, {**state, "c_i": new_ci}
+
+    def receive(self, state: State, parts: dict[str, torch.Tensor]) -> State:
+        return {**state, "c": parts["control"].clone()}
+
+
+RULE_NAMES = (
+    "average", "server_sgd", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedexp",
+    "fedli_lu", "fedli_ls", "scaffold", "clustered",
+)  # fmt: skip
+
+#: each rule's server step size when ``rule.lr`` is not set
+DEFAULT_LR = {"server_sgd": 1.0, "fedavgm": 1.0, "fedadam": 0.01, "fedyogi": 0.01,
+              "fedadagrad": 0.01, "scaffold": 1.0}  # fmt: skip
+
+
+def build_rule(name: str, opts, n_peers: int):
+    """A rule from its name and the config's ``rule`` section."""
+    lr = opts.lr if opts.lr is not None else DEFAULT_LR.get(name, 1.0)
+    if name == "average":
+        return Average()
+    if name in ("server_sgd", "fedavgm", "fedadam", "fedyogi", "fedadagrad"):
+        kind = {"server_sgd": "sgd", "fedavgm": "momentum"}.get(name, name[3:])
+        beta1 = opts.momentum if name == "fedavgm" else opts.beta1
+        return ServerOpt(kind, lr, beta1, opts.beta2, opts.tau)
+    if name == "fedexp":
+        return FedExP(opts.eps)
+    if name == "fedli_lu":
+        return FedLiLU(opts.lam, opts.eta)
+    if name == "fedli_ls":
+        return FedLiLS(opts.step)
+    if name == "scaffold":
+        return Scaffold(lr)
+    if name == "clustered":
+        from gossip_pfl.algorithms.clustered import ClusteredRule
+
+        return ClusteredRule(n_peers, opts.tol1, opts.tol2)
+    raise GossipError(f"unknown rule.name {name!r}; known: {', '.join(RULE_NAMES)}")
+
+
+def client_part(rule):
+    """The client side a rule needs beyond plain local steps (None for most)."""
+    return ScaffoldClient() if isinstance(rule, Scaffold) else None
+
+
+def state_to_cpu(state: State) -> dict:
+    return {k: v.cpu() for k, v in state.items()}
+
+
+def state_like(saved: dict, device) -> State:
+    return {k: torch.as_tensor(np.asarray(v) if not torch.is_tensor(v) else v).to(device)
+            for k, v in saved.items()}  # fmt: skip

@@ -1,0 +1,36 @@
+"""Run metrics that are pure functions of gathered arrays (no runtime state)."""
+
+from __future__ import annotations
+
+from itertools import permutations
+
+import numpy as np
+
+
+def component_recovery(true_pi, pi: np.ndarray | None, train_ids: np.ndarray) -> float | None:
+    """Share of peers whose arg-max pi matches their true group, under the best matching of
+    components to groups. Only for data made of groups: the synthetic generator's true pi
+    (meta['pi']) one-hot for every client; None otherwise or without mixture weights.
+
+    >>> truth = np.eye(2)[[0, 0, 1, 1]]
+    >>> component_recovery(truth, np.eye(2)[[1, 1, 0, 1]], np.arange(4))
+    0.75
+    """
+    if true_pi is None or pi is None:
+        return None
+    true_pi = np.asarray(true_pi)
+    if not np.all(true_pi.max(1) == 1.0):
+        return None
+    truth = true_pi.argmax(1)[train_ids]
+    guess = pi.argmax(1)
+    k = max(pi.shape[1], int(truth.max()) + 1)
+    agree = np.zeros((k, k), dtype=np.int64)
+    np.add.at(agree, (guess, truth), 1)
+    best = max(sum(agree[m, c] for m, c in zip(range(k), perm)) for perm in permutations(range(k)))
+    return float(best) / len(truth)
+
+
+def recovery_entry(true_pi, pi: np.ndarray | None, train_ids: np.ndarray) -> dict:
+    """The summary's ``cluster_recovery`` entry (empty where it does not apply)."""
+    value = component_recovery(true_pi, pi, train_ids)
+    return {} if value is None else {"cluster_recovery": value}
