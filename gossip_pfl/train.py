@@ -406,6 +406,8 @@ class Trainer:
         mass = float(self.agg_weights[active].sum() / self.agg_weights.sum())
         inbox = Inbox(self.bundle.unpack(rows[L:]), clients, mass)
         new, self.rule_state = self.rule.update(inbox, self.rule_state, hub_theta)
+        if new.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr():
+            new = new.clone()  # the plain average is a view of the rows it is written to
         reply = {"theta": new, **{k: self.rule_state[k] for k in self.rule.tensors}}
         reply.update({k: torch.zeros(1, device=self.device) for k in self.rule.scalars})
         self.bundle.pack(reply, out=rows[L:])

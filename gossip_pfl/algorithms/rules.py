@@ -198,6 +198,11 @@ class FedLiLS:
     def gossip(self) -> bool:  # max over clients needs the hub's view of every participant
         return self.step == "one"
 
+    @property
+    def per_client(self) -> tuple[str, ...]:
+        """Scalars the hub reads client by client (not only their average)."""
+        return ("eta",) if self.step == "max" else ()
+
     def init(self, theta: torch.Tensor) -> State:
         return {"step": torch.ones(theta.shape[0], dtype=torch.float64, device=theta.device)}
 

@@ -44,15 +44,14 @@ class Bundle:
     def pack(self, parts: dict[str, torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
         """Rows (R, width) from ``parts`` (theta and tensors (R, M, P), scalars (R,))."""
         theta = parts["theta"]
-        if self.plain:
-            return theta.reshape(theta.shape[0], -1)
         rows = theta.shape[0]
+        if self.plain and out is None:
+            return theta.reshape(rows, -1)
         if out is None:
             out = theta.new_empty((rows, self.width))
         start = 0
         for name, width in self.columns().items():
-            part = parts[name]
-            out[:, start : start + width] = part.reshape(rows, width).to(out.dtype)
+            out[:, start : start + width].copy_(parts[name].reshape(rows, width))
             start += width
         return out
 
