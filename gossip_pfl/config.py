@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from gossip_pfl.algorithms.rules import RULE_NAMES
 from gossip_pfl.errors import GossipError
 from topologies import TopologyError
 from topologies.spec import read_mapping
@@ -287,6 +288,7 @@ def validate(cfg: RunConfig) -> None:
         ),
         (_is_participation(cfg.participation), "participation",
          "must be a count >= 1 or a fraction in (0, 1]"),
+        (r.name is None or r.name in RULE_NAMES, "rule.name", "must be " + "|".join(RULE_NAMES)),
         (r.lr is None or r.lr > 0, "rule.lr", "must be > 0"),
         (0 <= r.momentum < 1, "rule.momentum", "must be in [0, 1)"),
         (0 <= r.beta1 < 1, "rule.beta1", "must be in [0, 1)"),

@@ -625,6 +625,12 @@ class Trainer:
     def restore(self, out: Path) -> tuple[int, list]:
         """Load RUN_DIR/checkpoint.pt into this rank's peers; returns (first round, rows)."""
         state = checkpoint.load(out)
+        missing = {"rule_state", "client_state", "eta", "kind_bytes"} - set(state)
+        if missing:
+            raise GossipError(
+                f"--resume {out}: the checkpoint was written by an older gossip-pfl (before the "
+                f"round protocol; it lacks {', '.join(sorted(missing))}): start the run anew"
+            )
         diffs = checkpoint.config_differences(state["config"], to_dict(self.cfg))
         if diffs:
             raise GossipError(

@@ -64,7 +64,7 @@ class ClusteredRule:
 
     def split(self, state: dict, updates: np.ndarray) -> dict:
         """Split clusters after a round, given every peer's update (n, P)."""
-        labels = state["labels"].numpy().copy()
+        labels = state["labels"].cpu().numpy().copy()
         norms = np.linalg.norm(updates, axis=1)
         for c in np.unique(labels):
             members = np.flatnonzero(labels == c)
@@ -77,7 +77,7 @@ class ClusteredRule:
 
     def phase(self, state: dict, sizes: np.ndarray) -> Phase:
         """x_i <- sum_{j in cluster(i)} n_j / n_c x_j for every peer i."""
-        labels = state["labels"].numpy()
+        labels = state["labels"].cpu().numpy()
         rows, cols, vals = [], [], []
         for c in np.unique(labels):
             members = np.flatnonzero(labels == c)
