@@ -351,26 +351,13 @@ class Trainer:
             return
         L = len(self.peers)
         active = np.ones(self.n_peers, dtype=bool) if active is None else active
-        full = bool(active.all())
+        phases, keys = self.phases(t, active)
+        hook = None
+        if self.route == "star":
+            hub_theta = self.nodes[L:].clone() if self.rule.needs_theta else None
+            hook = lambda rows: self._hub(rows, hub_theta, active)  # noqa: E731
         outbox = self.outbox or {"theta": self.nodes[:L]}
-        if self.route == "rule":
-            delta = (self.nodes[:L] - self.start).flatten(1).double()
-            self.rule_state = self.rule.split(self.rule_state, self.rows_of(delta).cpu().numpy())
-            phases, keys = [self.rule.phase(self.rule_state, self.sizes.astype(np.float64))], None
-        elif self.route == "star":
-            phases = star_phases(active, self.agg_weights)
-            keys = [("star", k) for k in range(2)] if full else None
-        else:
-            phases = [sit_out(p, active) for p in self.schedule.phases(t)]
-            if self.gossip_by_size:
-                phases = [weight_by_size(p, self.sizes) for p in phases]
-            period = self.schedule.period
-            keys = [(t % period, k) for k in range(len(phases))] if period and full else None
-        star = self.route == "star"
-        hub_theta = self.nodes[L:].clone() if star and self.rule.needs_theta else None
-        hook = (lambda k, rows: self._hub(rows, hub_theta, active)) if star else None
-        flat = self._mix(self._pack(outbox), phases, keys, hook)
-        received = self.bundle.unpack(flat)
+        received = self.bundle.unpack(self._mix(self._pack(outbox), phases, keys, hook))
         theta = received["theta"]
         if self.route == "gossip" and self.rule.needs_theta:  # each peer's rule
             act = torch.as_tensor(active[self.peers], device=self.device)
@@ -383,6 +370,24 @@ class Trainer:
             mine = {k: v[:L] for k, v in received.items()}
             self.client_state = self.client.receive(self.client_state, mine)
         self.outbox = None
+
+    def phases(self, t: int, active: np.ndarray) -> tuple[list, list | None]:
+        """The round's mixing phases along the route, and their plan-cache keys (None: plan
+        anew, for phases that change from round to round)."""
+        full = bool(active.all())
+        if self.route == "rule":  # the rule splits its groups from every peer's update
+            delta = (self.nodes[: len(self.peers)] - self.start).flatten(1).double()
+            self.rule_state = self.rule.split(self.rule_state, self.rows_of(delta).cpu().numpy())
+            return [self.rule.phase(self.rule_state, self.sizes.astype(np.float64))], None
+        if self.route == "star":
+            keys = [("star", 0), ("star", 1)] if full else None
+            return star_phases(active, self.agg_weights), keys
+        phases = [sit_out(p, active) for p in self.schedule.phases(t)]
+        if self.gossip_by_size:
+            phases = [weight_by_size(p, self.sizes) for p in phases]
+        period = self.schedule.period
+        keys = [(t % period, k) for k in range(len(phases))] if period and full else None
+        return phases, keys
 
     def _pack(self, outbox: dict) -> torch.Tensor:
         """This rank's message rows (local nodes, width); a hub row starts as zeros."""
@@ -413,8 +418,8 @@ class Trainer:
         self.bundle.pack(reply, out=rows[L:])
 
     def _mix(self, flat, phases, keys, hook=None) -> torch.Tensor:
-        """Mix ``flat`` (local nodes, width) through ``phases``, with ``hook(k, rows)`` after
-        phase k; counts the traffic by message kind."""
+        """Mix ``flat`` (local nodes, width) through ``phases``, with ``hook(rows)`` after the
+        first; counts the traffic by message kind."""
         for k, phase in enumerate(phases):
             # double buffering: the previous state becomes the next output (no fresh pages);
             # the first one is zeros, not garbage, in case a kernel reads it despite beta = 0
@@ -426,8 +431,8 @@ class Trainer:
             # what the peers would send with one peer per machine, whatever the placement
             for kind, b in self.bundle.bytes_by_kind(phase.messages, flat.element_size()).items():
                 self.kind_bytes[kind] += b
-            if hook is not None and k == 0:
-                hook(k, flat)
+            if hook is not None and k == 0:  # the hub, between the star's up and down phases
+                hook(flat)
         return flat
 
     def peer_pieces(self, n_peers: int, batch: int) -> list[slice]:

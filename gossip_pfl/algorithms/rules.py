@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from gossip_pfl.errors import GossipError
@@ -296,12 +295,3 @@ def build_rule(name: str, opts, n_peers: int):
 def client_part(rule):
     """The client side a rule needs beyond plain local steps (None for most)."""
     return ScaffoldClient() if isinstance(rule, Scaffold) else None
-
-
-def state_to_cpu(state: State) -> dict:
-    return {k: v.cpu() for k, v in state.items()}
-
-
-def state_like(saved: dict, device) -> State:
-    return {k: torch.as_tensor(np.asarray(v) if not torch.is_tensor(v) else v).to(device)
-            for k, v in saved.items()}  # fmt: skip
