@@ -14,6 +14,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="gossip-pfl",
         description="Decentralized personalized federated learning over gossip topologies.",
     )
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        ver = version("gossip-pfl")
+    except PackageNotFoundError:  # running from a source tree that was not installed
+        ver = "unknown"
+    parser.add_argument("--version", action="version", version=f"gossip-pfl {ver}")
     sub = parser.add_subparsers(dest="command", required=True)
     from gossip_pfl import cli_plot, cli_run, cli_topology
 

@@ -71,17 +71,32 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Print n, edges_per_round, max_degree, doubly_stochastic, symmetric, "
         "nonnegative, rho, tau, contraction, is_random, period and p of a schedule.",
     )
-    d.add_argument("spec", metavar="SPEC.yaml")
+    d.add_argument(
+        "spec",
+        metavar="SPEC",
+        help="a schedule spec YAML, or a graph file (edge list 'u v' per line, or .npy adjacency)",
+    )
     d.add_argument("--json", action="store_true", help="print JSON only")
     _add_horizon(d)
-    d.add_argument("--trials", type=_positive_int, default=20, help="Monte-Carlo windows for p")
-    d.add_argument("--seed", type=int, default=0, help="seed of the Monte-Carlo windows")
+    d.add_argument(
+        "--trials",
+        type=_positive_int,
+        default=20,
+        help="windows sampled to estimate p, the mixing parameter of E||W X - Xbar||^2 <= "
+        "(1 - p) ||X - Xbar||^2 over a window of tau rounds (default %(default)s)",
+    )
+    d.add_argument("--seed", type=int, default=0, help="seed of the sampled windows (default 0)")
     d.set_defaults(func=cmd_describe)
 
-    e = tsub.add_parser("export", help="write W_0 .. W_{R-1} to an .npz file")
-    e.add_argument("spec", metavar="SPEC.yaml")
-    e.add_argument("--rounds", type=_positive_int, required=True)
-    e.add_argument("-o", "--output", required=True, metavar="OUT.npz")
+    e = tsub.add_parser(
+        "export",
+        help="write W_0 .. W_{R-1} to an .npz file",
+        description="Write the effective mixing matrices of rounds 0 .. R-1 of a schedule to an "
+        ".npz file (arrays W_0, W_1, ...), e.g. to analyse them elsewhere.",
+    )
+    e.add_argument("spec", metavar="SPEC", help="a schedule spec YAML, or a graph file")
+    e.add_argument("--rounds", type=_positive_int, required=True, help="R, the rounds to write")
+    e.add_argument("-o", "--output", required=True, metavar="OUT.npz", help="the file to write")
     e.set_defaults(func=cmd_export)
 
 
