@@ -75,6 +75,11 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
     if not isinstance(sched, dict):
         raise GossipError(f"config key 'schedule' must be a mapping or a file path, got {sched!r}")
     sched = dict(sched)
+    if "participation" in (sched.get("graph_args") or {}):
+        raise GossipError(
+            "schedule.graph_args.participation samples inside the schedule; in a run, clients "
+            "per round are the top-level key 'participation' (drop it from the schedule)"
+        )
     if sched.get("n", n) != n:
         raise GossipError(
             f"schedule has n = {sched['n']} but the run has {n} training peers; "
@@ -178,7 +183,7 @@ class Trainer:
         a = cfg.algorithm
         self.surrogate = build_surrogate(cfg, self.spec, self.M, task)
         self.personal = self.surrogate.init_personal(self.train_ids[self.peers], theta0)
-        self.solver = build_solver(cfg, self.spec)
+        self.solver = build_solver(cfg, self.spec, self.rule)
         self.opt_state = self.solver.init(self.nodes[:L])
         ft = cfg.eval.finetune_epochs
         self.finetune_epochs = self.spec.finetune_epochs if ft is None else ft

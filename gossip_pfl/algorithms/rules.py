@@ -189,6 +189,7 @@ class FedLiLS:
 
     step: str = "one"
     name: str = "fedli_ls"
+    client_solver: str = "armijo"  #: its clients search their step (runtime.solver.LocalArmijo)
     scalars: tuple[str, ...] = ("eta",)
     tensors: tuple[str, ...] = ()
     needs_theta: bool = True

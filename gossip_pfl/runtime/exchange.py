@@ -76,7 +76,12 @@ def weight_by_size(phase: Phase, sizes: np.ndarray) -> Phase:
 
     On a complete graph with ``W = J / n`` this is the server's ``n_j / sum n`` average. Every
     rank derives it from the schedule, so it costs no traffic and no pass over the parameters.
+    Auxiliary nodes past the peers (a hub) count as size 1: a hub's row is then the peers'
+    size-weighted average, and a peer that copies the hub still copies it.
     """
+    sizes = np.asarray(sizes, dtype=np.float64)
+    if phase.size > len(sizes):
+        sizes = np.concatenate([sizes, np.ones(phase.size - len(sizes))])
     scaled = phase.weights * sizes[phase.cols]
     totals = np.bincount(phase.rows, weights=scaled, minlength=phase.size)
     return Phase(phase.size, phase.rows, phase.cols, scaled / totals[phase.rows])
