@@ -55,7 +55,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Run x_{t+1} = W_t x_t from random x_0 for each schedule; print a table and "
         "write curves (CSV, JSON, PNG). Without SPEC, run a built-in demo at n=16.",
     )
-    c.add_argument("specs", nargs="*", metavar="SPEC.yaml", help="schedule spec files")
+    c.add_argument(
+        "specs",
+        nargs="*",
+        metavar="SPEC",
+        help="schedule spec YAMLs or graph files (edge list, .npy, .npz, .graphml, .gml)",
+    )
     c.add_argument("--rounds", type=_positive_int, default=300, help="rounds (default %(default)s)")
     c.add_argument("--out", default="runs/consensus", help="output folder (default %(default)s)")
     c.add_argument("--json", action="store_true", help="print JSON only")
@@ -74,7 +79,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument(
         "spec",
         metavar="SPEC",
-        help="a schedule spec YAML, or a graph file (edge list 'u v' per line, or .npy adjacency)",
+        help="a schedule spec YAML, or a graph file: edge list 'u v' per line (integers or "
+        "names), .npy adjacency, .npz matrices, .graphml or .gml",
     )
     d.add_argument("--json", action="store_true", help="print JSON only")
     _add_horizon(d)
@@ -94,7 +100,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Write the effective mixing matrices of rounds 0 .. R-1 of a schedule to an "
         ".npz file (arrays W_0, W_1, ...), e.g. to analyse them elsewhere.",
     )
-    e.add_argument("spec", metavar="SPEC", help="a schedule spec YAML, or a graph file")
+    e.add_argument(
+        "spec",
+        metavar="SPEC",
+        help="a schedule spec YAML, or a graph file (edge list, .npy, .npz, .graphml, .gml)",
+    )
     e.add_argument("--rounds", type=_positive_int, required=True, help="R, the rounds to write")
     e.add_argument("-o", "--output", required=True, metavar="OUT.npz", help="the file to write")
     e.set_defaults(func=cmd_export)
@@ -122,12 +132,19 @@ def _positive_int(text: str) -> int:
 # --------------------------------------------------------------------------- loading
 
 
+#: suffixes of schedule spec files; any other file is read as a graph (n from the file)
+SPEC_SUFFIXES = (".yaml", ".yml")
+
+
 def load(path: str) -> MixingSchedule:
-    """The schedule of a spec file; every failure becomes a one-line TopologyError."""
-    from topologies.spec import load_schedule
+    """The schedule of a spec file, or of a graph file (edge list, .npy, .npz, .graphml, .gml)
+    with its default weights; every failure becomes a one-line TopologyError."""
+    from topologies.spec import load_schedule, schedule_from_spec
 
     try:
-        return load_schedule(path)  # raises one-line TopologyErrors for missing/bad files
+        if Path(path).suffix.lower() in SPEC_SUFFIXES or not Path(path).is_file():
+            return load_schedule(path)  # raises one-line TopologyErrors for missing/bad files
+        return schedule_from_spec({"graph": str(Path(path).resolve())})
     except OSError as err:  # unreadable file (permissions, a folder, ...)
         raise TopologyError(f"{path}: {_one_line(err)}") from None
 
@@ -294,6 +311,9 @@ def cmd_describe(args: argparse.Namespace) -> int:
     info = describe(schedule, horizon=args.horizon, trials=args.trials, seed=args.seed)
     if info["tau"] is None:
         raise TopologyError(_not_connected(Path(args.spec).stem, args.horizon))
+    labels = getattr(schedule, "labels", None)
+    if labels is not None:  # peer i is the graph's node labels[i]
+        info["labels"] = [x if isinstance(x, (int, float)) else str(x) for x in labels]
     if args.json:
         print(json.dumps(info, indent=2))
         return 0
@@ -307,6 +327,9 @@ def cmd_describe(args: argparse.Namespace) -> int:
 def _fmt(value: Any) -> str:
     if isinstance(value, float) and math.isfinite(value):
         return f"{value:.6g}"
+    if isinstance(value, list):  # node labels: peer 0's first
+        shown = ", ".join(f"{i}={x}" for i, x in enumerate(value[:4]))
+        return shown + (f", ... ({len(value)} nodes)" if len(value) > 4 else "")
     return str(value)
 
 

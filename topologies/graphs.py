@@ -30,6 +30,7 @@ __all__ = [
     "small_world",
     "from_adjacency",
     "from_networkx",
+    "node_labels",
     "load_graph",
 ]
 
@@ -405,37 +406,70 @@ def from_adjacency(adjacency, *, directed: bool | None = None) -> nx.Graph:
     return _require_connected(g)
 
 
-def from_networkx(graph: nx.Graph) -> nx.Graph:
+def from_networkx(graph: nx.Graph, *, order=None) -> nx.Graph:
     """A copy of any networkx graph with nodes relabelled ``0 .. n-1`` and self-loops dropped.
 
-    Nodes keep their sorted order when they are sortable, else their insertion order.
+    Nodes keep their sorted order when they are sortable, else their insertion order; ``order``
+    (a list of all the nodes) sets it explicitly. When the nodes were not already ``0 .. n-1``,
+    the original labels are kept in ``graph.graph["labels"]`` (label of node i at index i; see
+    :func:`node_labels`).
 
     Examples
     --------
     >>> g = from_networkx(nx.Graph([("b", "c"), ("a", "b")]))
-    >>> sorted(g.edges())
-    [(0, 1), (1, 2)]
+    >>> sorted(g.edges()), node_labels(g)
+    ([(0, 1), (1, 2)], ['a', 'b', 'c'])
+    >>> node_labels(from_networkx(nx.karate_club_graph())) is None  # already 0 .. 33
+    True
     """
     if not isinstance(graph, nx.Graph):
         raise TopologyError(f"expected a networkx graph, got {type(graph).__name__}")
     if graph.is_multigraph():
         graph = nx.DiGraph(graph) if graph.is_directed() else nx.Graph(graph)
-    try:
-        order = sorted(graph.nodes())
-    except TypeError:  # mixed node types: keep insertion order
-        order = list(graph.nodes())
-    g = nx.relabel_nodes(graph, {v: i for i, v in enumerate(order)}, copy=True)
-    out = g.__class__()
+    if order is None:
+        try:
+            order = sorted(graph.nodes())
+        except TypeError:  # mixed node types: keep insertion order
+            order = list(graph.nodes())
+    else:
+        order = list(order)
+        if len(order) != graph.number_of_nodes() or set(order) != set(graph.nodes()):
+            raise TopologyError("order must list every node of the graph once")
+    index = {v: i for i, v in enumerate(order)}
+    out = nx.DiGraph() if graph.is_directed() else nx.Graph()
     out.add_nodes_from(range(len(order)))
-    out.add_edges_from((u, v) for u, v in g.edges() if u != v)
+    out.add_edges_from((index[u], index[v]) for u, v in graph.edges() if u != v)
+    if [str(x) for x in order] != [str(i) for i in range(len(order))]:  # not 0 .. n-1
+        out.graph["labels"] = order
     return _require_connected(out)
 
 
-def load_graph(path: str | Path) -> nx.Graph:
-    """Load a graph from an edge list text file or a ``.npy`` adjacency matrix.
+def node_labels(graph: nx.Graph) -> list | None:
+    """The original node labels of a graph built by :func:`from_networkx` or
+    :func:`load_graph` (label of node i at index i), or None when the nodes were ``0 .. n-1``.
 
-    The edge list has one undirected edge ``u v`` per line (integers ``0 .. n-1``; extra
-    columns such as weights are ignored); ``#`` starts a comment.
+    Examples
+    --------
+    >>> node_labels(ring(4)) is None
+    True
+    """
+    labels = graph.graph.get("labels")
+    return None if labels is None else list(labels)
+
+
+#: file suffixes read by networkx's readers (everything else but .npy / .npz is an edge list)
+GRAPH_FILE_READERS = {".graphml": "read_graphml", ".gml": "read_gml"}
+
+
+def load_graph(path: str | Path) -> nx.Graph:
+    """Load a graph from an edge list text file, a ``.npy`` adjacency matrix, or a GraphML
+    (``.graphml``) or GML (``.gml``) file.
+
+    The edge list has one undirected edge ``u v`` per line (extra columns such as weights are
+    ignored); ``#`` starts a comment. Nodes are integers ``0 .. n-1``, or names (any
+    whitespace-free words, e.g. ``Myriel Napoleon``), numbered ``0 .. n-1`` in the order they
+    first appear; integers that are not ``0 .. n-1`` are numbered in sorted order. GraphML and GML
+    nodes are numbered in file order. Names are kept: see :func:`node_labels`.
 
     Examples
     --------
@@ -444,45 +478,83 @@ def load_graph(path: str | Path) -> nx.Graph:
     >>> _ = open(f, "w").write("# triangle\\n0 1\\n1 2\\n2 0\\n")
     >>> load_graph(f).number_of_edges()
     3
+    >>> _ = open(f, "w").write("Myriel Napoleon\\nMyriel Baptistine\\nNapoleon Baptistine\\n")
+    >>> node_labels(load_graph(f))
+    ['Myriel', 'Napoleon', 'Baptistine']
     """
     p = Path(path)
     if not p.is_file():
         raise TopologyError(f"graph file not found: {p}")
-    if p.suffix == ".npy":
+    suffix = p.suffix.lower()
+    if suffix == ".npy":
         try:
             a = np.load(p, allow_pickle=False)
         except ValueError as e:
             raise TopologyError(f"{p}: not a readable .npy array ({e})") from None
         return _prefixed(p, from_adjacency, a)
+    if suffix in GRAPH_FILE_READERS:
+        reader = getattr(nx, GRAPH_FILE_READERS[suffix])
+        try:
+            g = reader(p)
+        except Exception as e:  # noqa: BLE001 - parsers raise many kinds; one line names the file
+            what = suffix[1:].upper().replace("GRAPHML", "GraphML")
+            msg = " ".join(str(e).split()) or type(e).__name__
+            raise TopologyError(f"{p}: not a readable {what} file ({msg})") from None
+        return _prefixed(p, from_networkx, g, order=list(g.nodes()))
     return _prefixed(p, _from_edge_lines, p.read_text().splitlines(), p)
 
 
-def _prefixed(p: Path, fn, *args):
+def _prefixed(p: Path, fn, *args, **kwargs):
     try:
-        return fn(*args)
+        return fn(*args, **kwargs)
     except TopologyError as e:
         raise TopologyError(f"{p}: {e}") from None
 
 
+def _as_id(token: str) -> int | None:
+    try:
+        return int(token)
+    except ValueError:
+        return None
+
+
 def _from_edge_lines(lines: list[str], p: Path) -> nx.Graph:
     edges = []
+    names = None  # decided by the first edge: integer ids, or names
     for lineno, line in enumerate(lines, start=1):
         fields = line.split("#", 1)[0].split()
         if not fields:
             continue
-        try:
-            u, v = int(fields[0]), int(fields[1])
-        except (ValueError, IndexError):
-            raise TopologyError(f"line {lineno}: expected 'u v', got {line.strip()!r}") from None
-        if u < 0 or v < 0:
+        if len(fields) < 2:
+            raise TopologyError(f"line {lineno}: expected 'u v', got {line.strip()!r}")
+        u, v = fields[0], fields[1]
+        if names is None:
+            names = _as_id(u) is None or _as_id(v) is None
+        if names:
+            edges.append((u, v))
+            continue
+        iu, iv = _as_id(u), _as_id(v)
+        if iu is None or iv is None:
+            raise TopologyError(
+                f"line {lineno}: expected 'u v' with integer ids like the lines before, got "
+                f"{line.strip()!r} (a file of names must start with a name)"
+            )
+        if iu < 0 or iv < 0:
             raise TopologyError(f"line {lineno}: node ids must be >= 0, got {line.strip()!r}")
-        edges.append((u, v))
+        edges.append((iu, iv))
     if not edges:
         raise TopologyError("no edges")
     g = nx.Graph()
-    g.add_nodes_from(range(max(max(e) for e in edges) + 1))
-    g.add_edges_from((u, v) for u, v in edges if u != v)
-    return _require_connected(g)
+    if names:
+        g.add_edges_from(edges)  # nodes in the order they first appear
+        return from_networkx(g, order=list(g.nodes()))
+    ids = sorted({x for e in edges for x in e})
+    if ids[-1] + 1 == len(ids):  # already 0 .. n-1
+        g.add_nodes_from(range(len(ids)))
+        g.add_edges_from((u, v) for u, v in edges if u != v)
+        return _require_connected(g)
+    g.add_edges_from(edges)
+    return from_networkx(g, order=ids)
 
 
 #: graph family name -> generator (static families; the spec adds the time-varying ones)

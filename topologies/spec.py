@@ -1,9 +1,10 @@
 """YAML schedule files: a small dict spec -> :class:`~topologies.MixingSchedule`.
 
-The keys and family names are a contract (see ``docs/schedule-files.md``)::
+The keys and family names are a contract (see ``docs/topologies.md``)::
 
-    n: 16
-    graph: ring            # a family name, or a path to an edge list / .npy / .npz file
+    n: 16                  # optional when graph is a file or a networkx graph
+    graph: ring            # a family name, a file (edge list, .npy, .npz, .graphml, .gml)
+                           #   or, in Python, a networkx graph
     graph_args: {}         # family arguments, e.g. {p: 0.5}, {d: 4}, {k: 1}
     weights: metropolis    # metropolis | max_degree | best_constant | fmmc | uniform
     time_varying:          # optional; omitted means static
@@ -21,6 +22,7 @@ import difflib
 import inspect
 from pathlib import Path
 
+import networkx as nx
 import numpy as np
 import yaml
 
@@ -124,7 +126,10 @@ def _resolve_path(graph: str, base_dir) -> Path:
     return p
 
 
-def _looks_like_path(graph: str) -> bool:
+def _is_graph_file(graph: str) -> bool:
+    """A ``graph`` value that is not a family name and looks like a path."""
+    if graph in KNOWN_FAMILIES:
+        return False
     return "/" in graph or "\\" in graph or Path(graph).suffix != ""
 
 
@@ -138,15 +143,23 @@ def schedule_from_spec(spec: dict, base_dir: str | Path | None = None) -> Mixing
     ----------
     spec : dict
         Keys ``n``, ``graph``, ``graph_args``, ``weights``, ``time_varying``, ``seed``.
+        ``graph`` is a family name, a file path (edge list, ``.npy``, ``.npz``, ``.graphml``,
+        ``.gml``) or a networkx graph; with a file or a graph ``n`` may be left out. Nodes are
+        renumbered ``0 .. n-1``; their original labels are the schedule's ``labels`` (None
+        when they were already ``0 .. n-1``).
     base_dir : path, optional
         Directory that relative file paths in the spec are relative to (default: the current
-        directory).
+        directory; :func:`load_schedule` passes the spec file's folder).
 
     Examples
     --------
     >>> s = schedule_from_spec({"n": 16, "graph": "ring", "weights": "max_degree"})
     >>> s.name, float(s.matrix(0)[0, 1])
     ('ring(n=16) / max_degree', 0.333...)
+    >>> import networkx as nx
+    >>> s = schedule_from_spec({"graph": nx.les_miserables_graph(), "weights": "metropolis"})
+    >>> s.n, s.labels[:2]
+    (77, ['Anzelma', 'Babet'])
     >>> schedule_from_spec({"n": 8, "graph": "base", "graph_args": {"k": 1}}).period
     3
     >>> schedule_from_spec({"n": 8, "graph": "rnig"})
@@ -157,8 +170,25 @@ def schedule_from_spec(spec: dict, base_dir: str | Path | None = None) -> Mixing
     if not isinstance(spec, dict):
         raise TopologyError(f"schedule spec must be a mapping of keys, got {type(spec).__name__}")
     _check_keys(spec, KNOWN_KEYS, "")
+    graph = spec.get("graph")
+    loaded = None  # (graph, label) of a networkx graph object or a graph file
+    if isinstance(graph, nx.Graph):
+        if spec.get("graph_args"):
+            raise TopologyError("graph_args: not used when graph is a networkx graph")
+        loaded = _wrap("graph", _graphs.from_networkx, graph), _graph_label(graph)
+    elif isinstance(graph, (str, Path)) and _is_graph_file(str(graph)):
+        if spec.get("graph_args"):
+            raise TopologyError("graph_args: not used when graph is a file")
+        path = _resolve_path(str(graph), base_dir)
+        if path.suffix != ".npz":
+            loaded = _wrap("graph", _graphs.load_graph, path), path.name
     if "n" not in spec:
-        raise TopologyError("n: missing (the number of peers, an int >= 1)")
+        if loaded is not None:
+            spec = {**spec, "n": loaded[0].number_of_nodes()}
+        elif isinstance(graph, (str, Path)) and str(graph).endswith(".npz"):
+            spec = {**spec, "n": load_npz(_resolve_path(str(graph), base_dir)).n}
+        else:
+            raise TopologyError("n: missing (the number of peers, an int >= 1)")
     n = _as_int(spec["n"], "n", 1)
     seed = _as_int(spec.get("seed", 0), "seed", 0)
     weights = spec.get("weights")
@@ -179,18 +209,21 @@ def schedule_from_spec(spec: dict, base_dir: str | Path | None = None) -> Mixing
             return _periodic(spec, tv, n, weights, seed, base_dir)
     if "graph" not in spec:
         raise TopologyError(f"graph: missing (a family: {', '.join(KNOWN_FAMILIES)}; or a file)")
-    graph = spec["graph"]
+    if loaded is not None:
+        return _from_graph(*loaded, n, weights, seed, tv)
+    if isinstance(graph, Path):
+        graph = str(graph)
     if not isinstance(graph, str):
-        raise TopologyError(f"graph: must be a family name or a file path, got {graph!r}")
+        raise TopologyError(
+            f"graph: must be a family name, a file path or a networkx graph, got {graph!r}"
+        )
     if graph in TIME_VARYING_FAMILIES:
         return _time_varying_family(graph, spec, n, weights, seed, tv)
     if graph in _graphs.GRAPH_FAMILIES:
         args = _check_graph_args(graph, spec.get("graph_args"))
         return _from_family(graph, args, n, weights, seed, tv)
-    if _looks_like_path(graph):
-        if spec.get("graph_args"):
-            raise TopologyError("graph_args: not used when graph is a file")
-        return _from_file(_resolve_path(graph, base_dir), n, weights, seed, tv)
+    if _is_graph_file(graph):  # .npz: explicit matrices
+        return _from_npz(_resolve_path(graph, base_dir), n, weights, tv)
     raise TopologyError(f"graph: {_unknown('family', graph, KNOWN_FAMILIES)}")
 
 
@@ -258,29 +291,40 @@ def _time_varying_family(family, spec, n, weights, seed, tv) -> MixingSchedule:
     return _wrap("graph_args", _s.ServerSchedule, n, weights=sizes, seed=seed, **args)
 
 
-def _from_file(path: Path, n, weights, seed, tv) -> MixingSchedule:
-    if path.suffix == ".npz":
-        if tv is not None or weights is not None:
-            raise TopologyError(
-                f"graph: {path.name} holds explicit matrices; drop weights/time_varying"
-            )
-        s = load_npz(path)
-        if s.n != n:
-            raise TopologyError(f"graph: {path} has n={s.n} but n is {n}")
-        return s
-    graph = _wrap("graph", _graphs.load_graph, path)
+def _from_npz(path: Path, n, weights, tv) -> MixingSchedule:
+    if tv is not None or weights is not None:
+        raise TopologyError(
+            f"graph: {path.name} holds explicit matrices; drop weights/time_varying"
+        )
+    s = load_npz(path)
+    if s.n != n:
+        raise TopologyError(f"graph: {path} has n={s.n} but n is {n}")
+    return s
+
+
+def _graph_label(graph: nx.Graph) -> str:
+    name = graph.graph.get("name") or type(graph).__name__
+    return f"{name} (n={graph.number_of_nodes()})"
+
+
+def _from_graph(graph: nx.Graph, label: str, n, weights, seed, tv) -> MixingSchedule:
+    """The schedule of a loaded graph (nodes 0 .. n-1; original labels in graph.graph)."""
     if graph.number_of_nodes() != n:
-        raise TopologyError(f"graph: {path} has {graph.number_of_nodes()} nodes but n is {n}")
+        raise TopologyError(f"graph: {label} has {graph.number_of_nodes()} nodes but n is {n}")
     family = "exponential" if graph.is_directed() else None
     weights = _default_weights(family, weights)
     if weights in SYMMETRIC_RULES and graph.is_directed():
-        raise TopologyError(f"weights: {weights!r} needs an undirected graph; {path} is directed")
+        raise TopologyError(f"weights: {weights!r} needs an undirected graph; {label} is directed")
     if tv is None:
-        name = f"{path.name} / {weights}"
-        return _wrap("weights", _s.StaticSchedule.from_graph, graph, weights, name=name)
-    if tv["kind"] == "random":
+        s = _wrap(
+            "weights", _s.StaticSchedule.from_graph, graph, weights, name=f"{label} / {weights}"
+        )
+    elif tv["kind"] == "random":
         raise TopologyError("time_varying: kind random needs graph to be a random family")
-    return _dynamic(graph, path.name, n, weights, seed, tv)
+    else:
+        s = _dynamic(graph, label, n, weights, seed, tv)
+    s.labels = _graphs.node_labels(graph)
+    return s
 
 
 def _periodic(spec, tv, n, weights, seed, base_dir) -> MixingSchedule:
@@ -369,7 +413,8 @@ def read_mapping(path: str | Path, what: str = "file") -> dict:
 
 
 def save_npz(schedule: MixingSchedule, path: str | Path, rounds: int | None = None) -> None:
-    """Write ``W_0 .. W_{rounds-1}`` as an array ``W`` of shape ``(rounds, n, n)``.
+    """Write ``W_0 .. W_{rounds-1}`` as an array ``W`` of shape ``(rounds, n, n)`` (and the
+    schedule's node ``labels`` as an array ``labels``, when it has them).
 
     ``rounds`` defaults to the schedule's period; aperiodic schedules need it.
 
@@ -388,12 +433,17 @@ def save_npz(schedule: MixingSchedule, path: str | Path, rounds: int | None = No
             raise TopologyError("save_npz: rounds is needed for an aperiodic schedule")
     rounds = _as_int(rounds, "rounds", 1)
     w = np.stack([schedule.matrix(t) for t in range(rounds)])
-    np.savez_compressed(path, W=w)
+    labels = getattr(schedule, "labels", None)
+    if labels is None:
+        np.savez_compressed(path, W=w)
+    else:  # the nodes' original names, kept for reports
+        np.savez_compressed(path, W=w, labels=np.array([str(x) for x in labels]))
 
 
 def load_npz(path: str | Path) -> _s.PeriodicSchedule:
-    """Load matrices saved by :func:`save_npz` (array ``W``, shape ``(R, n, n)``) as a periodic
-    schedule; every ``W_t`` must be non-negative and row-stochastic.
+    """Load matrices saved by :func:`save_npz` (array ``W``, shape ``(R, n, n)``, and
+    optionally ``labels``, the nodes' names) as a periodic schedule; every ``W_t`` must be
+    non-negative and row-stochastic.
 
     Examples
     --------
@@ -411,14 +461,19 @@ def load_npz(path: str | Path) -> _s.PeriodicSchedule:
             if "W" not in data:
                 raise TopologyError(f"{p}: no array 'W' (found {', '.join(data.files)})")
             w = np.asarray(data["W"], dtype=float)
+            labels = data["labels"].tolist() if "labels" in data else None
     except (ValueError, OSError) as e:
         raise TopologyError(f"{p}: not a readable .npz file ({e})") from None
     if w.ndim != 3 or w.shape[1] != w.shape[2] or w.shape[0] == 0:
         raise TopologyError(f"{p}: W must have shape (rounds, n, n), got {w.shape}")
     for t, wt in enumerate(w):
         _wrap(f"{p}: round {t}", _check_matrix, wt)
+    if labels is not None and len(labels) != w.shape[1]:
+        raise TopologyError(f"{p}: {len(labels)} labels for n={w.shape[1]}")
     items = [_s.StaticSchedule(wt, name=f"{p.name}[{t}]") for t, wt in enumerate(w)]
-    return _s.PeriodicSchedule(items, name=f"{p.name} ({len(items)} rounds)")
+    s = _s.PeriodicSchedule(items, name=f"{p.name} ({len(items)} rounds)")
+    s.labels = labels
+    return s
 
 
 def _check_matrix(w: np.ndarray) -> None:
