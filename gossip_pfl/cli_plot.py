@@ -13,15 +13,23 @@ MULTI_RUN_OUT = "runs/plots"
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     """Add ``plot`` to the ``gossip-pfl`` subcommands."""
+    from gossip_pfl.plots import PLOTS
+
+    figures = ", ".join(f"{name}.png" for name in PLOTS)
     p = subparsers.add_parser(
         "plot",
-        help="plot accuracy, loss, consensus and traffic of runs",
+        help="plot accuracy, loss, consensus, traffic and mixture weights of runs",
         description="Read metrics.jsonl and summary.json of each RUN_DIR (written by "
-        "'gossip-pfl run') and write accuracy_vs_round.png, loss_vs_round.png, "
-        "consensus_vs_round.png, accuracy_vs_bytes.png and client_accuracy_hist.png, "
-        "one colour per run.",
+        f"'gossip-pfl run') and write {figures}, and mixture_weights_vs_round.png when a run "
+        "has mixture weights (D-FedEM, FedEM), one colour per run.",
     )
-    p.add_argument("runs", nargs="+", metavar="RUN_DIR", help="run directories")
+    p.add_argument(
+        "runs",
+        nargs="+",
+        metavar="RUN_DIR",
+        help="output folders of 'gossip-pfl run' (a run still going is plotted up to its "
+        "last evaluation)",
+    )
     p.add_argument(
         "--out",
         metavar="DIR",
