@@ -61,14 +61,30 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="SPEC",
         help="schedule spec YAMLs or graph files (edge list, .npy, .npz, .graphml, .gml)",
     )
-    c.add_argument("--rounds", type=_positive_int, default=300, help="rounds (default %(default)s)")
-    c.add_argument("--out", default="runs/consensus", help="output folder (default %(default)s)")
-    c.add_argument("--json", action="store_true", help="print JSON only")
+    c.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=300,
+        help="rounds of x_{t+1} = W_t x_t to run (default %(default)s)",
+    )
+    c.add_argument(
+        "--out",
+        default="runs/consensus",
+        help="folder for consensus.csv, consensus.json and consensus.png (default %(default)s)",
+    )
+    c.add_argument(
+        "--json", action="store_true", help="print the table as JSON only (files still written)"
+    )
     c.add_argument("--seed", type=int, default=0, help="seed of x_0 (default 0)")
     _add_horizon(c)
     c.set_defaults(func=cmd_consensus)
 
-    t = subparsers.add_parser("topology", help="inspect or export a schedule")
+    t = subparsers.add_parser(
+        "topology",
+        help="inspect or export a schedule",
+        description="Describe a schedule (connectivity, spectrum, stochasticity) or export its "
+        "mixing matrices.",
+    )
     tsub = t.add_subparsers(dest="topology_command", required=True)
     d = tsub.add_parser(
         "describe",
@@ -82,7 +98,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a schedule spec YAML, or a graph file: edge list 'u v' per line (integers or "
         "names), .npy adjacency, .npz matrices, .graphml or .gml",
     )
-    d.add_argument("--json", action="store_true", help="print JSON only")
+    d.add_argument("--json", action="store_true", help="print the summary as JSON only")
     _add_horizon(d)
     d.add_argument(
         "--trials",
