@@ -27,6 +27,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="output directory (overrides the config's 'out')")
     p.add_argument("--quiet", action="store_true", help="print only errors and the summary")
     p.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace the run already in the output folder (default: refuse)",
+    )
+    p.add_argument(
         "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint"
     )
     p.set_defaults(func=cmd_run)
@@ -41,7 +46,8 @@ def default_config() -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gossip_pfl.train import run
+    from gossip_pfl import checkpoint
+    from gossip_pfl.train import RunStopped, check_out_dir, run
 
     overrides = list(args.overrides) + ([f"out={args.out}"] if args.out else [])
     if args.resume:
@@ -53,12 +59,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         cfg = load_config(args.config, overrides)
     else:
         cfg = load_config(None, overrides, base=default_config())
+    check_out_dir(Path(cfg.out), bool(args.resume), args.overwrite)  # before any data is built
     log = (lambda *a, **k: None) if args.quiet else print
     try:
         summary = run(cfg, log=log, resume=bool(args.resume))
-    except KeyboardInterrupt:
+    except RunStopped as stop:
         if _is_rank0():
-            print(f"gossip-pfl: interrupted; continue with: gossip-pfl run --resume {cfg.out}")
+            print(f"gossip-pfl: {stop}")
+        return stop.code
+    except KeyboardInterrupt:  # a second Ctrl-C: stopped at once
+        if _is_rank0():
+            saved = (Path(cfg.out) / checkpoint.FILE).is_file()
+            hint = f"; continue from the last checkpoint with: gossip-pfl run --resume {cfg.out}"
+            print("gossip-pfl: interrupted" + (hint if saved else " (no checkpoint was saved)"))
         return 130
     if _is_rank0():
         from gossip_pfl.plots import load_run, write_plots

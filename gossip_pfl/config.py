@@ -127,6 +127,8 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     schedule: Any = None  #: topology spec (dict) or path to a schedule YAML; None: by algorithm
+    #: refuse a gossip schedule that never connects the peers or is not doubly stochastic
+    check_schedule: bool = True
     rule: RuleConfig = field(default_factory=RuleConfig)
     line_search: LineSearchConfig = field(default_factory=LineSearchConfig)
     #: clients per round: a count (int) or a fraction in (0, 1]; sampled from (seed, round)

@@ -15,9 +15,13 @@ draw is seeded per peer (data order, initialization) or per round (schedule), ne
 from __future__ import annotations
 
 import json
+import os
+import signal
+import threading
 import time
 from pathlib import Path
 
+import networkx as nx
 import numpy as np
 import torch
 
@@ -87,7 +91,47 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
         )
     sched["n"] = n
     sched.setdefault("seed", cfg.seed)
-    return schedule_from_spec(sched, base_dir=base_dir)
+    schedule = schedule_from_spec(sched, base_dir=base_dir)
+    if cfg.check_schedule:
+        check_mixing(schedule, CHECK_HORIZON)
+    return schedule
+
+
+CHECK_HORIZON = 100  #: rounds of a schedule that ``check_mixing`` reads
+
+
+def check_mixing(schedule: MixingSchedule, horizon: int) -> None:
+    """Refuse a schedule that cannot mix, with the figures that show it: one whose W_t over
+    the first ``horizon`` rounds never connect all peers (gossip would then be Local), or
+    whose W_t are not doubly stochastic (the peers' average drifts). ``topology describe``
+    makes the same checks; ``check_schedule: false`` skips them."""
+    from topologies.analysis import _effective_coo, connectivity_tau, round_properties
+
+    hint = "fix the schedule, or set check_schedule: false to run it anyway"
+    n, h = schedule.n, min(horizon, schedule.period or horizon)
+    if n > 1 and connectivity_tau(schedule, horizon) is None:
+        union = nx.Graph()
+        union.add_nodes_from(range(n))
+        for t in range(h):
+            r, c, _ = _effective_coo(schedule, t)
+            union.add_edges_from(zip(r[r != c].tolist(), c[r != c].tolist()))
+        parts = sorted(nx.connected_components(union), key=len)
+        raise GossipError(
+            f"schedule {schedule!r} never connects all {n} peers within {horizon} rounds (their "
+            f"union has {len(parts)} components; the smallest holds peers "
+            f"{sorted(parts[0])[:5]}): the peers would not mix; {hint}"
+        )
+    if not round_properties(schedule, h)["doubly_stochastic"]:
+        for t in range(h):
+            r, c, w = _effective_coo(schedule, t)
+            for axis, what in ((r, "row"), (c, "column")):
+                sums = np.bincount(axis, weights=w, minlength=n)
+                j = int(np.abs(sums - 1).argmax())
+                if abs(sums[j] - 1) > 1e-8:
+                    raise GossipError(
+                        f"schedule {schedule!r} is not doubly stochastic: W_{t} {what} {j} "
+                        f"sums to {sums[j]:.6g}, so the peers' average drifts; {hint}"
+                    )
 
 
 class Trainer:
@@ -560,40 +604,57 @@ class Trainer:
         if resume:
             first, rows = self.restore(out)
         if is_main:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "config.yaml").write_text(_dump_yaml(to_dict(cfg)))
+            _write(out, lambda p: p.mkdir(parents=True, exist_ok=True))
+            _write(out / "config.yaml", lambda p: p.write_text(_dump_yaml(to_dict(cfg))))
             # rows past the checkpoint are recomputed: keep the file consistent with the state
-            _write_rows(out / "metrics.jsonl", rows)
+            _write(out / "metrics.jsonl", lambda p: _write_rows(p, rows))
             self.log(self.describe() + (f"; resumed after round {first}" if resume else ""))
         start = time.perf_counter() - self.times.get("wall", 0.0)
         progress = Progress(cfg.rounds, first, enabled=is_main, log=self.log)
-        for t in range(first, cfg.rounds):
-            self.round = t
-            t0 = time.perf_counter()
-            active = self.sample(t)  # who takes part
-            self.local_work(t, active)  # client update: E-step, local steps, outbox
-            t1 = self._clock()
-            self.communicate(t, active)  # deliver; the hub's or each peer's rule
-            t2 = self._clock()
-            self.times["local"] += t1 - t0
-            self.times["exchange"] += t2 - t1
-            last = t == cfg.rounds - 1
-            if (t + 1) % cfg.eval.every == 0 or last:  # log
-                row = self.metrics_row(t)
-                rows.append(row)
-                if is_main:
-                    _write_rows(out / "metrics.jsonl", [row], append=True)
-                progress.report(t, row)
-            progress.tick()
-            every = cfg.checkpoint_every
-            if (every and (t + 1) % every == 0) or last:  # checkpoint
-                self.times["wall"] = time.perf_counter() - start
-                self.checkpoint(out, t + 1, rows)
+        with StopSignals() as signals:
+            for t in range(first, cfg.rounds):
+                self.round = t
+                t0 = time.perf_counter()
+                active = self.sample(t)  # who takes part
+                self.local_work(t, active)  # client update: E-step, local steps, outbox
+                t1 = self._clock()
+                self.communicate(t, active)  # deliver; the hub's or each peer's rule
+                t2 = self._clock()
+                self.times["local"] += t1 - t0
+                self.times["exchange"] += t2 - t1
+                last = t == cfg.rounds - 1
+                if (t + 1) % cfg.eval.every == 0 or last:  # log
+                    row = self.metrics_row(t)
+                    rows.append(row)
+                    if is_main:
+                        _write(out / "metrics.jsonl", lambda p, r=row: _write_rows(p, [r], True))
+                    progress.report(t, row)
+                progress.tick()
+                stop = self._agreed(signals.received)  # SIGTERM / SIGINT on any rank
+                every = cfg.checkpoint_every
+                if (every and (t + 1) % every == 0) or last or stop:  # checkpoint
+                    self.times["wall"] = time.perf_counter() - start
+                    self.checkpoint(out, t + 1, rows)
+                if stop and not last:
+                    progress.close()
+                    raise RunStopped(stop, t + 1, out)
         progress.close()
         summary = self.summary(rows[-1], time.perf_counter() - start)
         if is_main:
-            (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            _write(
+                out / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n")
+            )
         return summary
+
+    def _agreed(self, signum: int) -> int:
+        """The signal any rank received this round (0: none), the same on every rank, so that
+        all of them write the checkpoint and stop after the same round."""
+        if self.comm.world_size == 1:
+            return signum
+        got = [signum == s for s in StopSignals.SIGNALS]
+        flags = torch.tensor(got, dtype=torch.float64, device=self.device)
+        got = self.comm.all_reduce_sum(flags).cpu().tolist()
+        return next((int(s) for s, n in zip(StopSignals.SIGNALS[::-1], got[::-1]) if n), 0)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -852,6 +913,78 @@ def _where(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Te
     return torch.where(mask.view(-1, *([1] * (new.dim() - 1))), new, old)
 
 
+class RunStopped(Exception):
+    """A run stopped by SIGTERM or SIGINT after finishing a round and writing its checkpoint."""
+
+    def __init__(self, signum: int, rounds_done: int, out: Path):
+        name = signal.Signals(signum).name if signum in iter(signal.Signals) else str(signum)
+        super().__init__(
+            f"stopped by {name} after round {rounds_done}; checkpoint saved; continue with: "
+            f"gossip-pfl run --resume {out}"
+        )
+        self.code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+
+class StopSignals:
+    """While a run is in its loop, SIGTERM (what SLURM and Kubernetes send) and SIGINT
+    (Ctrl-C) ask it to stop after the current round, with a checkpoint; a second SIGINT stops
+    it at once. Only in the main thread (signal handlers live there); elsewhere a no-op."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received = 0
+        self._old: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+
+def _write(path: Path, action) -> None:
+    """Run a write of the run's output, turning file-system failures (a full disk, no
+    permission, a file where a folder should be) into a one-line error."""
+    try:
+        action(path)
+    except OSError as err:
+        raise GossipError(f"out: could not write {path} ({err.strerror or err})") from None
+
+
+def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """Before any data is built: the output folder is not a file, can be created or written,
+    and holds no other run unless resuming it or told to overwrite it."""
+    if out.exists() and not out.is_dir():
+        raise GossipError(f"out: {out} is a file, not a folder; choose another --out")
+    ancestor = out
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise GossipError(
+            f"out: cannot write into {ancestor} (permission denied); choose another --out"
+        )
+    if out.is_dir() and not resume:
+        found = [
+            f for f in ("metrics.jsonl", "summary.json", checkpoint.FILE) if (out / f).exists()
+        ]
+        if found and not overwrite:
+            raise GossipError(
+                f"out: {out} holds another run ({', '.join(found)}); choose another --out, "
+                f"continue it with --resume {out}, or replace it with --overwrite"
+            )
+        if found and int(os.environ.get("RANK", 0)) == 0:  # a stop must not resume the old run
+            (out / checkpoint.FILE).unlink(missing_ok=True)
+
+
 def _write_rows(path: Path, rows: list[dict], append: bool = False) -> None:
     with open(path, "a" if append else "w") as fh:
         for row in rows:
@@ -879,4 +1012,4 @@ def run(cfg: RunConfig, dataset=None, comm=None, log=print, resume: bool = False
         comm.close()  # a no-op for one process
 
 
-__all__ = ["Trainer", "run", "build_schedule"]
+__all__ = ["Trainer", "run", "build_schedule", "check_out_dir", "RunStopped"]

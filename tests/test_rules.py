@@ -391,7 +391,8 @@ def test_gossip_form_on_server_schedule_equals_hub_rule(rule, weights, tmp_path)
     hub = trainer_for(cfg_for(tmp_path / "hub", rule, rounds=4, rule=rule_opts, **hub_over))
     gossip = trainer_for(
         cfg_for(tmp_path / "gossip", "dsgd", rounds=4, schedule=schedule,
-                rule={"name": rule, **rule_opts}, algo={"client_weighting": weighting})
+                rule={"name": rule, **rule_opts}, algo={"client_weighting": weighting},
+                check_schedule=False)  # the sized server's W_t is only row-stochastic
     )  # fmt: skip
     assert gossip.route == "gossip" and hub.route == "star"
     assert hub.sizes.tolist() == TOY_SIZES
