@@ -695,13 +695,10 @@ class Trainer:
 
     def restore(self, out: Path) -> tuple[int, list]:
         """Load RUN_DIR/checkpoint.pt into this rank's peers; returns (first round, rows)."""
-        state = checkpoint.load(out)
-        missing = {"rule_state", "client_state", "eta", "kind_bytes"} - set(state)
-        if missing:
-            raise GossipError(
-                f"--resume {out}: the checkpoint was written by an older gossip-pfl (before the "
-                f"round protocol; it lacks {', '.join(sorted(missing))}): start the run anew"
-            )
+        state = checkpoint.load(out)  # digest checked: altered or truncated files stop here
+        # keys, shapes, peer count and components, before any of this rank's state is touched
+        checkpoint.check_structure(state, self.n_peers, tuple(self.nodes.shape[1:]),
+                                   where=f"--resume {out}")  # fmt: skip
         diffs = checkpoint.config_differences(state["config"], to_dict(self.cfg))
         if diffs:
             raise GossipError(
