@@ -380,14 +380,21 @@ class Trainer:
                 sw = torch.gather(q[sel], 2, b_idx[:, None, :].expand(-1, self.M, -1)) * sw
             grad, loss = self.surrogate.shared_grad(self, theta[sel], personal, rows, x, y, sw)
             extra = {}
-            if self.track_loss:
+            if self.track_loss or self.line_search:
+                # the loss is normalized by the nominal batch size (the released FedEM code's
+                # gradient); FedLi's objective is the mean over the batch's real samples
+                mean = (a.batch_size / b_w.sum(-1).clamp_min(1)).to(loss.dtype)  # (A,)
+                loss = loss * mean
                 self.last_loss[sel] = loss.double()
             if self.client is not None:
                 extra["correction"] = self.client.correction(self.client_state, sel)
             if self.line_search:
+                grad = grad * mean[:, None, None]
 
-                def loss_at(cand, sub, x=x, y=y, sw=sw):
-                    return self.surrogate.shared_loss(self, cand, x[sub], y[sub], sw[sub])
+                def loss_at(cand, sub, x=x, y=y, sw=sw, mean=mean):
+                    return (
+                        self.surrogate.shared_loss(self, cand, x[sub], y[sub], sw[sub]) * mean[sub]
+                    )
 
                 extra.update(loss=loss, loss_at=loss_at, batches=batches[sel])
             self.solver.step(theta, grad, opt_state, sel, self.lr_scale, factor, anchor, **extra)

@@ -675,3 +675,21 @@ def test_version_flag(capsys):
     with pytest.raises(SystemExit) as stop:
         main(["--version"])
     assert stop.value.code == 0 and capsys.readouterr().out.startswith("gossip-pfl ")
+
+
+def test_fedli_client_loss_is_the_mean_over_real_samples(tmp_path):
+    """The loss a FedLi client sends is its last minibatch's mean loss over the samples it
+    holds, not a sum divided by the nominal batch size: with one batch of twice the client's
+    size it is the mean log-loss of the whole local data at the round-start model."""
+    data = toy_dataset(1)
+    client = data.clients[0]
+    n = len(client.y_train)
+    cfg = cfg_for(tmp_path, "fedli_lu", rounds=1, algo={"batch_size": 2 * n})
+    trainer = Trainer(cfg, dataset=data, log=quiet)
+    theta = trainer.nodes[0, 0].double()  # (P,) linear: weights then bias
+    x = torch.as_tensor(client.x_train, dtype=torch.float64)
+    y = torch.as_tensor(client.y_train, dtype=torch.float64)
+    logits = x @ theta[:-1] + theta[-1]
+    want = torch.nn.functional.binary_cross_entropy_with_logits(logits, y).item()
+    trainer.local_work(0)
+    assert trainer.outbox["loss"].item() == pytest.approx(want, rel=1e-5)
