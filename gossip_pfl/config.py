@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -227,7 +228,11 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise GossipError(f"--set {key}: '{part}' is not a section")
-        node[parts[-1]] = yaml.safe_load(raw)
+        try:
+            node[parts[-1]] = yaml.safe_load(raw)
+        except yaml.YAMLError as err:
+            why = str(err).splitlines()[0]
+            raise GossipError(f"--set {key}: {raw!r} is not a YAML value ({why})") from None
     return data
 
 
@@ -237,6 +242,8 @@ def read_yaml(path: str | Path) -> dict:
         return read_mapping(path, "config file")
     except TopologyError as err:
         raise GossipError(str(err)) from None
+    except UnicodeDecodeError:
+        raise GossipError(f"config file {path}: not a text (UTF-8) YAML file") from None
 
 
 def load_config(
@@ -263,6 +270,9 @@ def validate(cfg: RunConfig) -> None:
         (cfg.rounds >= 1, "rounds", "must be >= 1"),
         (a.components >= 1, "algorithm.components", "must be >= 1 (M, the number of components)"),
         (a.lr > 0, "algorithm.lr", "must be > 0"),
+        (a.weight_decay >= 0, "algorithm.weight_decay", "must be >= 0"),
+        (a.mu >= 0, "algorithm.mu", "must be >= 0"),
+        (0 <= a.alpha <= 1, "algorithm.alpha", "must be in [0, 1]"),
         (a.batch_size >= 1, "algorithm.batch_size", "must be >= 1"),
         (a.local_epochs >= 1, "algorithm.local_epochs", "must be >= 1"),
         (a.local_steps is None or a.local_steps >= 0, "algorithm.local_steps", "must be >= 0"),
@@ -309,6 +319,27 @@ def validate(cfg: RunConfig) -> None:
     for ok, key, msg in checks:
         if not ok:
             raise GossipError(f"config key '{key}' {msg} (got {_get(cfg, key)!r})")
+    for key, value in _floats(cfg):
+        if not math.isfinite(value):
+            raise GossipError(f"config key '{key}' must be a finite number (got {value!r})")
+    from gossip_pfl.algorithms import get_algorithm
+
+    spec = get_algorithm(a.name)  # an unknown name fails here, before any data is built
+    if spec.topology == "given" and cfg.schedule is None:
+        raise GossipError(
+            f"algorithm '{a.name}' needs a schedule: set 'schedule' to a topology spec or a "
+            "schedule YAML path (e.g. schedule: {graph: ring, weights: metropolis})"
+        )
+
+
+def _floats(cfg, prefix: str = ""):
+    """(dotted key, value) of every float in the config's typed sections."""
+    for f in dataclasses.fields(cfg):
+        value = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _floats(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            yield f"{prefix}{f.name}", value
 
 
 def _is_participation(value) -> bool:

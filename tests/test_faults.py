@@ -1,0 +1,199 @@
+"""Faults a user meets: each is a one-line error with exit 2 (or the signal's code), no
+traceback, nothing earlier lost. Schedules that cannot mix, output folders that cannot take a
+run, bad values, and SIGTERM in the middle of a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from _helpers import toy_dataset
+
+from gossip_pfl.cli import main
+from gossip_pfl.config import load_config
+from gossip_pfl.errors import GossipError
+from gossip_pfl.train import Trainer
+
+SMALL = {
+    "seed": 5,
+    "rounds": 3,
+    "data": {"name": "synthetic", "n_clients": 8, "n_test": 20, "dim": 10},
+    "algorithm": {"name": "fedavg", "lr": 0.1, "batch_size": 16},
+    "eval": {"every": 1},
+    "runtime": {"device": "cpu"},
+}
+
+
+def write_cfg(tmp: Path, **over) -> Path:
+    cfg = {**SMALL, **over}
+    path = tmp / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def cli(args: list[str], capsys) -> tuple[int, list[str]]:
+    code = main(args)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    return code, err
+
+
+def one_line_error(capsys, args, pattern) -> None:
+    code, err = cli(args, capsys)
+    assert code == 2 and len(err) == 1 and err[0].startswith("gossip-pfl: error:"), err
+    assert pattern in err[0], err[0]
+
+
+def quiet(*_a, **_k):
+    pass
+
+
+# ---- schedules that cannot mix ---------------------------------------------------------------
+def _dsgd(tmp, schedule, **over):
+    base = {
+        "seed": 1,
+        "rounds": 2,
+        "algorithm": {"name": "dsgd", "batch_size": 16},
+        "schedule": schedule,
+        "runtime": {"device": "cpu"},
+        "out": str(tmp / "out"),
+        **over,
+    }
+    return load_config(base=base)  # fmt: skip
+
+
+def test_schedule_that_never_connects_is_refused_with_its_components(tmp_path):
+    sched = {"graph": "ring", "time_varying": {"kind": "link_failure", "q": 1.0}}
+    with pytest.raises(GossipError, match="never connects all 8 peers.*8 components"):
+        Trainer(_dsgd(tmp_path, sched), dataset=toy_dataset(8), log=quiet)
+
+
+def test_identity_and_two_blocks_are_refused(tmp_path):
+    blocks = np.zeros((8, 8))
+    blocks[:4, :4] = blocks[4:, 4:] = 0.25
+    for name, w in (("eye", np.eye(8)), ("blocks", blocks)):
+        f = tmp_path / f"{name}.npz"
+        np.savez(f, W=w[None])
+        with pytest.raises(GossipError, match="never connects"):
+            Trainer(_dsgd(tmp_path, {"graph": str(f)}), dataset=toy_dataset(8), log=quiet)
+
+
+def test_row_stochastic_schedule_is_refused_unless_opted_out(tmp_path):
+    w = np.full((8, 8), 1 / 8)
+    w[:, 0] += 0.1
+    w[:, 1] -= 0.1  # rows still sum to 1, columns 0 and 1 do not
+    f = tmp_path / "rows.npz"
+    np.savez(f, W=w[None])
+    with pytest.raises(GossipError, match=r"not doubly stochastic: W_0 column 0 sums to 1\.8"):
+        Trainer(_dsgd(tmp_path, {"graph": str(f)}), dataset=toy_dataset(8), log=quiet)
+    cfg = _dsgd(tmp_path, {"graph": str(f)}, check_schedule=False)
+    assert Trainer(cfg, dataset=toy_dataset(8), log=quiet).route == "gossip"
+
+
+# ---- output folders ---------------------------------------------------------------------------
+def test_output_folder_that_is_a_file(tmp_path, capsys):
+    cfg = write_cfg(tmp_path)
+    (tmp_path / "taken").write_text("mine")
+    one_line_error(capsys, ["run", str(cfg), "--out", str(tmp_path / "taken"), "--quiet"],
+                   "is a file")  # fmt: skip
+    assert (tmp_path / "taken").read_text() == "mine"
+
+
+def test_another_runs_folder_is_kept_unless_overwrite(tmp_path, capsys):
+    cfg, out = write_cfg(tmp_path), tmp_path / "run"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    before = (out / "metrics.jsonl").read_bytes()
+    one_line_error(capsys, ["run", str(cfg), "--out", str(out), "--quiet"], "holds another run")
+    assert (out / "metrics.jsonl").read_bytes() == before
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--overwrite"]) == 0
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_output_folder_without_permission(tmp_path, capsys):
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    one_line_error(capsys, ["run", str(write_cfg(tmp_path)), "--out", str(locked / "run")],
+                   "cannot write")  # fmt: skip
+
+
+# ---- values ---------------------------------------------------------------------------------
+BAD = {
+    "binary config": (["run", "{bin}"], "not a text"),
+    "set not YAML": (["run", "{cfg}", "--set", "algorithm.lr=[1"], "is not a YAML value"),
+    "negative weight decay": (
+        ["run", "{cfg}", "--set", "algorithm.weight_decay=-1"],
+        "algorithm.weight_decay",
+    ),  # fmt: skip
+    "NaN weight decay": (
+        ["run", "{cfg}", "--set", "algorithm.weight_decay=.nan"],
+        "algorithm.weight_decay",
+    ),  # fmt: skip
+    "NaN rule option": (["run", "{cfg}", "--set", "rule.eps=.nan"], "rule.eps"),
+    "gossip without schedule": (
+        ["run", "{cfg}", "--set", "algorithm.name=dsgd"],
+        "needs a schedule",
+    ),
+    "unknown algorithm": (["run", "{cfg}", "--set", "algorithm.name=nope"], "unknown algorithm"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_values_are_one_line_errors_before_any_output(case, tmp_path, capsys):
+    args, pattern = BAD[case]
+    (tmp_path / "bin.yaml").write_bytes(b"\x00\x01\xff\xfe")
+    cfg = write_cfg(tmp_path)
+    args = [a.format(bin=tmp_path / "bin.yaml", cfg=cfg) for a in args]
+    one_line_error(capsys, [*args, "--out", str(tmp_path / "out"), "--quiet"], pattern)
+    assert not (tmp_path / "out").exists()
+
+
+# ---- signals ----------------------------------------------------------------------------------
+def test_sigterm_checkpoints_and_the_resumed_run_equals_the_uninterrupted(tmp_path, capsys):
+    """SIGTERM in the middle: the run finishes its round, writes a checkpoint, says how to
+    resume and exits 143; resumed, it ends with the uninterrupted run's summary."""
+    cfg = write_cfg(tmp_path, rounds=5000)
+    out = tmp_path / "stopped"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "gossip_pfl.cli", "run", str(cfg), "--out", str(out), "--quiet",
+         "--set", "runtime.timeout_s=30"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+    )  # fmt: skip
+    metrics = out / "metrics.jsonl"
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    assert "stopped by SIGTERM" in stdout and f"--resume {out}" in stdout
+    assert "Traceback" not in stderr
+    done = json.loads(metrics.read_text().splitlines()[-1])["round"]
+    total = done + 3
+    # resume (in this process, one thread as the child) and an uninterrupted run to `total`
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["run", "--resume", str(out), "--set", f"rounds={total}", "--quiet"]) == 0
+        ref = tmp_path / "ref"
+        assert (
+            main(["run", str(cfg), "--out", str(ref), "--set", f"rounds={total}", "--quiet"]) == 0
+        )
+    finally:
+        torch.set_num_threads(threads)
+    a = json.loads((out / "summary.json").read_text())
+    b = json.loads((ref / "summary.json").read_text())
+    for key in ("test_accuracy", "train_loss", "train_accuracy"):
+        assert a[key] == pytest.approx(b[key], abs=1e-6), key
