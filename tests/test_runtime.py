@@ -489,7 +489,7 @@ def test_cuda_numerics_switch_off_tf32_and_autotuning(monkeypatch):
         torch.are_deterministic_algorithms_enabled(),
     )
     try:
-        cfg = load_config(base={}).runtime
+        cfg = load_config(base={"algorithm": {"name": "fedavg"}}).runtime
         set_cuda_numerics(cfg.tf32, cfg.deterministic)
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
