@@ -197,3 +197,18 @@ def test_sigterm_checkpoints_and_the_resumed_run_equals_the_uninterrupted(tmp_pa
     b = json.loads((ref / "summary.json").read_text())
     for key in ("test_accuracy", "train_loss", "train_accuracy"):
         assert a[key] == pytest.approx(b[key], abs=1e-6), key
+
+
+def test_truncated_data_cache_is_regenerated(tmp_path):
+    """A cache file cut short (a full disk, a killed copy) is only a cache: the data is made
+    again, the same as the first time, and the file rewritten."""
+    from gossip_pfl.data.synthetic import make_synthetic
+
+    first = make_synthetic(n_clients=4, dim=5, n_test=10, seed=0, cache_dir=tmp_path)
+    (cached,) = tmp_path.glob("*.npz")
+    size = cached.stat().st_size
+    cached.write_bytes(cached.read_bytes()[:500])
+    with pytest.warns(UserWarning, match="damaged"):
+        again = make_synthetic(n_clients=4, dim=5, n_test=10, seed=0, cache_dir=tmp_path)
+    np.testing.assert_array_equal(again.clients[3].x_train, first.clients[3].x_train)
+    assert cached.stat().st_size == size

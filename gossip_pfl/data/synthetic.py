@@ -26,6 +26,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -93,9 +95,8 @@ def make_synthetic(
     }
     _validate(args)
     path = _cache_path(args, cache_dir) if cache else None
-    if path is not None and path.exists():
-        arrays = _load(path)
-    else:
+    arrays = _load(path) if path is not None and path.exists() else None
+    if arrays is None:
         arrays = _generate(**args)
         if path is not None:
             _save(path, arrays)
@@ -268,11 +269,12 @@ def _save(path: Path, arrays: dict[str, np.ndarray]) -> None:
         raise GossipError(f"synthetic: cannot write cache file {path}: {e.strerror}") from e
 
 
-def _load(path: Path) -> dict[str, np.ndarray]:
+def _load(path: Path) -> dict[str, np.ndarray] | None:
+    """The cached arrays; None when the file is damaged (truncated by a full disk or a killed
+    copy): it is only a cache, so the data is generated again and the file rewritten."""
     try:
         with np.load(path) as f:
             return {k: f[k] for k in f.files}
-    except (OSError, ValueError, EOFError) as e:
-        raise GossipError(
-            f"synthetic: cache file {path} is unreadable ({e}); delete it to regenerate"
-        ) from e
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        warnings.warn(f"synthetic: cache file {path} is damaged ({e}); regenerating", stacklevel=3)
+        return None
