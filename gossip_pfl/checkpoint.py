@@ -160,7 +160,9 @@ def load(run_dir: str | Path) -> dict:
         raise GossipError(f"{path}: unreadable checkpoint ({_reason(err)})") from None
     payload = _verified_payload(path, data)
     try:
-        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=False)
+        # weights_only: tensors and plain containers only, so a crafted file (the digest is
+        # no signature) cannot run code when it is loaded
+        return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable payload gets the same message
         first = (str(err).splitlines() or [type(err).__name__])[0]
         raise GossipError(f"{path}: unreadable checkpoint ({first})") from None
