@@ -257,6 +257,10 @@ def load_config(
             sched = Path(data["schedule"])
             if not sched.is_absolute():
                 data["schedule"] = str(Path(path).parent / sched)
+        elif isinstance(data.get("schedule"), dict):  # so is a graph file named inline
+            graph = data["schedule"].get("graph")
+            if isinstance(graph, str) and (Path(path).parent / graph).is_file():
+                data["schedule"] = {**data["schedule"], "graph": str(Path(path).parent / graph)}
     data = apply_overrides(data, list(overrides))
     cfg = from_dict(RunConfig, data)
     validate(cfg)

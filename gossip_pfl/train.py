@@ -821,7 +821,7 @@ class Trainer:
             "consensus_distance": last["consensus_distance"],
             "wall_seconds": wall,
             "world_size": self.comm.world_size,
-            # another thread count rounds the convolutions differently (README, Fashion-MNIST)
+            # another thread count rounds the convolutions differently (docs/results.md)
             "torch_threads": torch.get_num_threads(),
             "bytes_sent": last["bytes_sent"],
             "client_test_accuracy": last["client_test_accuracy"],

@@ -212,3 +212,18 @@ def test_truncated_data_cache_is_regenerated(tmp_path):
         again = make_synthetic(n_clients=4, dim=5, n_test=10, seed=0, cache_dir=tmp_path)
     np.testing.assert_array_equal(again.clients[3].x_train, first.clients[3].x_train)
     assert cached.stat().st_size == size
+
+
+def test_graph_file_named_inline_is_read_from_the_configs_folder(tmp_path, monkeypatch):
+    """schedule: {graph: ring8.txt} in a config is the file beside the config, wherever the
+    command runs from."""
+    folder = tmp_path / "study"
+    folder.mkdir()
+    (folder / "ring8.txt").write_text("".join(f"{i} {(i + 1) % 8}\n" for i in range(8)))
+    run_cfg = {"algorithm": {"name": "dsgd"}, "schedule": {"graph": "ring8.txt"}}
+    (folder / "run.yaml").write_text(yaml.safe_dump(run_cfg))
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config(folder / "run.yaml")
+    assert Path(cfg.schedule["graph"]) == folder / "ring8.txt"
+    trainer = Trainer(cfg, dataset=toy_dataset(8), log=quiet)
+    assert trainer.schedule.n == 8

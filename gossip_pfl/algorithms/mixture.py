@@ -70,7 +70,7 @@ class MixtureSurrogate:
         the responsibilities q (L, M, N) that weight the local solver's loss, smoothed towards
         1 / M by ``q_smoothing``: a pure EM step lets a component learn nothing from samples
         another explains better, so on inputs it rarely won it stays confidently wrong, which
-        costs clients whose pi spreads over several components (README, Fashion-MNIST).
+        costs clients whose pi spreads over several components (docs/results.md, Fashion-MNIST).
         """
         pi = personal["pi"]
         # q = softmax_m(log pi_m - loss_m): log-sum-exp keeps huge losses finite (no NaN).
