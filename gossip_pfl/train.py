@@ -618,6 +618,7 @@ class Trainer:
             self.log(self.describe() + (f"; resumed after round {first}" if resume else ""))
         start = time.perf_counter() - self.times.get("wall", 0.0)
         progress = Progress(cfg.rounds, first, enabled=is_main, log=self.log)
+        write_error = None
         with StopSignals() as signals:
             for t in range(first, cfg.rounds):
                 self.round = t
@@ -634,10 +635,14 @@ class Trainer:
                     row = self.metrics_row(t)
                     rows.append(row)
                     if is_main:
-                        _write(out / "metrics.jsonl", lambda p, r=row: _write_rows(p, [r], True))
+                        try:  # a failed write stops every rank after this round (_agreed)
+                            _write(out / "metrics.jsonl", lambda p, r=row: _append_row(p, r))
+                        except GossipError as err:
+                            write_error = err
                     progress.report(t, row)
                 progress.tick()
-                stop = self._agreed(signals.received)  # SIGTERM / SIGINT on any rank
+                # SIGTERM / SIGINT on any rank, or rank 0 could not write
+                stop = self._agreed(signals.received, write_error)
                 every = cfg.checkpoint_every
                 if (every and (t + 1) % every == 0) or last or stop:  # checkpoint
                     self.times["wall"] = time.perf_counter() - start
@@ -653,15 +658,23 @@ class Trainer:
             )
         return summary
 
-    def _agreed(self, signum: int) -> int:
+    def _agreed(self, signum: int, write_error: GossipError | None = None) -> int:
         """The signal any rank received this round (0: none), the same on every rank, so that
-        all of them write the checkpoint and stop after the same round."""
+        all of them write the checkpoint and stop after the same round; a write that failed on
+        rank 0 ends every rank with a one-line error (not a lost peer on the others)."""
         if self.comm.world_size == 1:
+            if write_error is not None:
+                raise write_error
             return signum
-        got = [signum == s for s in StopSignals.SIGNALS]
+        got = [signum == s for s in StopSignals.SIGNALS] + [write_error is not None]
         flags = torch.tensor(got, dtype=torch.float64, device=self.device)
         got = self.comm.all_reduce_sum(flags).cpu().tolist()
-        return next((int(s) for s, n in zip(StopSignals.SIGNALS[::-1], got[::-1]) if n), 0)
+        if got[-1]:
+            raise write_error or GossipError(
+                f"rank {self.comm.rank}: stopping: rank 0 could not write the run's output "
+                "(its own message names the file)"
+            )
+        return next((int(s) for s, n in zip(StopSignals.SIGNALS[::-1], got[:-1][::-1]) if n), 0)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -987,6 +1000,10 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
             )
         if found and int(os.environ.get("RANK", 0)) == 0:  # a stop must not resume the old run
             (out / checkpoint.FILE).unlink(missing_ok=True)
+
+
+def _append_row(path: Path, row: dict) -> None:
+    _write_rows(path, [row], append=True)
 
 
 def _write_rows(path: Path, rows: list[dict], append: bool = False) -> None:

@@ -227,3 +227,40 @@ def test_graph_file_named_inline_is_read_from_the_configs_folder(tmp_path, monke
     assert Path(cfg.schedule["graph"]) == folder / "ring8.txt"
     trainer = Trainer(cfg, dataset=toy_dataset(8), log=quiet)
     assert trainer.schedule.n == 8
+
+
+def _run_with_full_disk(cfg):
+    """On rank 0, appending to metrics.jsonl fails as on a full disk."""
+    import torch.distributed as dist
+
+    from gossip_pfl import train
+
+    def full(path, row):
+        raise OSError(28, "No space left on device")
+
+    train._append_row = full
+    try:
+        Trainer(cfg, dataset=toy_dataset(8), log=quiet).run()
+    except GossipError as err:
+        return str(err)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return "no error"
+
+
+def test_a_failed_write_is_a_one_line_error_on_every_rank(tmp_path):
+    """Rank 0 cannot append to metrics.jsonl: every rank stops after that round with its own
+    one-line error (the others are told it was rank 0's write, not a lost peer)."""
+    from _helpers import run_ranks
+
+    base = {"seed": 1, "rounds": 3, "algorithm": {"name": "fedavg", "batch_size": 16},
+            "eval": {"every": 1}, "runtime": {"device": "cpu", "timeout_s": 30},
+            "out": str(tmp_path / "out")}  # fmt: skip
+    cfg = load_config(base=base)
+    results = run_ranks(2, _run_with_full_disk, cfg)
+    msgs = [value for status, value in results]
+    assert all(status == "ok" for status, _ in results), results
+    assert "could not write" in msgs[0] and "No space left" in msgs[0], msgs
+    assert "rank 0 could not write" in msgs[1], msgs
+    assert all("\n" not in m for m in msgs)
