@@ -47,7 +47,8 @@ def default_config() -> dict:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from gossip_pfl import checkpoint
-    from gossip_pfl.train import RunStopped, check_out_dir, run
+    from gossip_pfl.rundir import RunStopped, check_out_dir
+    from gossip_pfl.train import run
 
     overrides = list(args.overrides) + ([f"out={args.out}"] if args.out else [])
     if args.resume:

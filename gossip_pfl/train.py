@@ -15,19 +15,17 @@ draw is seeded per peer (data order, initialization) or per round (schedule), ne
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
 import time
+from functools import partial
 from pathlib import Path
 
-import networkx as nx
 import numpy as np
 import torch
 
-from gossip_pfl import checkpoint
+from gossip_pfl import checkpoint, rundir
 from gossip_pfl.algorithms import AlgorithmSpec, build_solver, build_surrogate, get_algorithm
 from gossip_pfl.algorithms.losses import num_outputs, sample_loss
+from gossip_pfl.algorithms.mixture import fit_mixture_weights
 from gossip_pfl.algorithms.rules import Inbox, build_rule, client_part
 from gossip_pfl.config import RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
@@ -46,7 +44,8 @@ from gossip_pfl.runtime.participation import (
 from gossip_pfl.runtime.placement import Placement
 from gossip_pfl.runtime.solver import LocalArmijo, LocalSGD
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout, init_components
-from topologies import MixingSchedule
+from topologies import MixingSchedule, TopologyError
+from topologies.analysis import check_mixing
 
 
 def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
@@ -92,46 +91,14 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
     sched["n"] = n
     sched.setdefault("seed", cfg.seed)
     schedule = schedule_from_spec(sched, base_dir=base_dir)
-    if cfg.check_schedule:
-        check_mixing(schedule, CHECK_HORIZON)
+    if cfg.check_schedule:  # the checks of `topology describe`, with the figures
+        try:
+            check_mixing(schedule, horizon=100)
+        except TopologyError as err:
+            raise GossipError(
+                f"{err}; fix the schedule, or set check_schedule: false to run it anyway"
+            ) from None
     return schedule
-
-
-CHECK_HORIZON = 100  #: rounds of a schedule that ``check_mixing`` reads
-
-
-def check_mixing(schedule: MixingSchedule, horizon: int) -> None:
-    """Refuse a schedule that cannot mix, with the figures that show it: one whose W_t over
-    the first ``horizon`` rounds never connect all peers (gossip would then be Local), or
-    whose W_t are not doubly stochastic (the peers' average drifts). ``topology describe``
-    makes the same checks; ``check_schedule: false`` skips them."""
-    from topologies.analysis import _effective_coo, connectivity_tau, round_properties
-
-    hint = "fix the schedule, or set check_schedule: false to run it anyway"
-    n, h = schedule.n, min(horizon, schedule.period or horizon)
-    if n > 1 and connectivity_tau(schedule, horizon) is None:
-        union = nx.Graph()
-        union.add_nodes_from(range(n))
-        for t in range(h):
-            r, c, _ = _effective_coo(schedule, t)
-            union.add_edges_from(zip(r[r != c].tolist(), c[r != c].tolist()))
-        parts = sorted(nx.connected_components(union), key=len)
-        raise GossipError(
-            f"schedule {schedule!r} never connects all {n} peers within {horizon} rounds (their "
-            f"union has {len(parts)} components; the smallest holds peers "
-            f"{sorted(parts[0])[:5]}): the peers would not mix; {hint}"
-        )
-    if not round_properties(schedule, h)["doubly_stochastic"]:
-        for t in range(h):
-            r, c, w = _effective_coo(schedule, t)
-            for axis, what in ((r, "row"), (c, "column")):
-                sums = np.bincount(axis, weights=w, minlength=n)
-                j = int(np.abs(sums - 1).argmax())
-                if abs(sums[j] - 1) > 1e-8:
-                    raise GossipError(
-                        f"schedule {schedule!r} is not doubly stochastic: W_{t} {what} {j} "
-                        f"sums to {sums[j]:.6g}, so the peers' average drifts; {hint}"
-                    )
 
 
 class Trainer:
@@ -611,15 +578,16 @@ class Trainer:
         if resume:
             first, rows = self.restore(out)
         if is_main:
-            _write(out, lambda p: p.mkdir(parents=True, exist_ok=True))
-            _write(out / "config.yaml", lambda p: p.write_text(_dump_yaml(to_dict(cfg))))
+            rundir.write(out, lambda p: p.mkdir(parents=True, exist_ok=True))
+            config_text = rundir.dump_yaml(to_dict(cfg))
+            rundir.write(out / "config.yaml", lambda p: p.write_text(config_text))
             # rows past the checkpoint are recomputed: keep the file consistent with the state
-            _write(out / "metrics.jsonl", lambda p: _write_rows(p, rows))
+            rundir.write(out / "metrics.jsonl", lambda p: rundir.write_rows(p, rows))
             self.log(self.describe() + (f"; resumed after round {first}" if resume else ""))
         start = time.perf_counter() - self.times.get("wall", 0.0)
-        progress = Progress(cfg.rounds, first, enabled=is_main, log=self.log)
+        progress = rundir.Progress(cfg.rounds, first, enabled=is_main, log=self.log)
         write_error = None
-        with StopSignals() as signals:
+        with rundir.StopSignals() as signals:
             for t in range(first, cfg.rounds):
                 self.round = t
                 t0 = time.perf_counter()
@@ -636,7 +604,7 @@ class Trainer:
                     rows.append(row)
                     if is_main:
                         try:  # a failed write stops every rank after this round (_agreed)
-                            _write(out / "metrics.jsonl", lambda p, r=row: _append_row(p, r))
+                            rundir.write(out / "metrics.jsonl", partial(rundir.append_row, row=row))
                         except GossipError as err:
                             write_error = err
                     progress.report(t, row)
@@ -649,11 +617,11 @@ class Trainer:
                     self.checkpoint(out, t + 1, rows)
                 if stop and not last:
                     progress.close()
-                    raise RunStopped(stop, t + 1, out)
+                    raise rundir.RunStopped(stop, t + 1, out)
         progress.close()
         summary = self.summary(rows[-1], time.perf_counter() - start)
         if is_main:
-            _write(
+            rundir.write(
                 out / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n")
             )
         return summary
@@ -666,7 +634,7 @@ class Trainer:
             if write_error is not None:
                 raise write_error
             return signum
-        got = [signum == s for s in StopSignals.SIGNALS] + [write_error is not None]
+        got = [signum == s for s in rundir.StopSignals.SIGNALS] + [write_error is not None]
         flags = torch.tensor(got, dtype=torch.float64, device=self.device)
         got = self.comm.all_reduce_sum(flags).cpu().tolist()
         if got[-1]:
@@ -674,7 +642,8 @@ class Trainer:
                 f"rank {self.comm.rank}: stopping: rank 0 could not write the run's output "
                 "(its own message names the file)"
             )
-        return next((int(s) for s, n in zip(StopSignals.SIGNALS[::-1], got[:-1][::-1]) if n), 0)
+        signals = rundir.StopSignals.SIGNALS  # SIGTERM wins over SIGINT
+        return next((int(s) for s, n in zip(signals[::-1], got[:-1][::-1]) if n), 0)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -863,163 +832,13 @@ class Trainer:
         return self.nodes[: len(self.peers)].detach().cpu().numpy()
 
 
-@torch.no_grad()
-def fit_mixture_weights(
-    losses: torch.Tensor, mask: torch.Tensor, iters: int, tol: float = 1e-6
-) -> torch.Tensor:
-    """EM on the mixture weights alone, components fixed: pi (L, M) from uniform.
-
-    ``losses`` (L, M, N) per-sample losses, ``mask`` (L, N). The likelihoods are computed once
-    (shifted by the per-sample minimum loss, so huge losses cannot underflow everything); each
-    iteration is then q = pi * lik / sum_m, pi = mean q. Stops when pi moves less than ``tol``.
-    Clients without samples keep uniform weights.
-    """
-    lik = torch.exp(-(losses - losses.min(dim=1, keepdim=True).values)).double()  # (L, M, N)
-    weight = mask.double() / mask.sum(-1, keepdim=True).clamp_min(1)  # 1/n_i on real samples
-    pi = torch.full(lik.shape[:2], 1.0 / lik.shape[1], dtype=torch.float64, device=lik.device)
-    for _ in range(iters):
-        # pi_m <- pi_m * mean_i lik_im / sum_k pi_k lik_ik  (two batched products per sweep)
-        denom = torch.einsum("lmn,lm->ln", lik, pi).clamp_min(1e-300)
-        new = pi * torch.einsum("lmn,ln->lm", lik, weight / denom)
-        new = torch.where(mask.sum(-1, keepdim=True) > 0, new, pi)
-        done = (new - pi).abs().max() < tol
-        pi = new
-        if done:
-            break
-    return pi.to(losses.dtype)
-
-
-class Progress:
-    """A tqdm bar on rank 0 when stdout is a terminal; plain log lines at each evaluation
-    otherwise (CI, files); nothing with --quiet (a no-op ``log``)."""
-
-    def __init__(self, total: int, start: int, enabled: bool, log):
-        import sys
-
-        self.log, self.enabled = log, enabled
-        self.bar = None
-        if enabled and sys.stdout.isatty() and log is print:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=start, unit="round", dynamic_ncols=True)
-
-    def tick(self) -> None:
-        if self.bar is not None:
-            self.bar.update(1)
-
-    def report(self, t: int, row: dict) -> None:
-        if not self.enabled:
-            return
-        fields = {
-            "loss": f"{row['train_loss']:.4f}",
-            "acc": f"{row['test_accuracy']:.4f}",
-            "consensus": f"{max(row['consensus_distance']):.3g}",
-        }
-        if self.bar is not None:
-            self.bar.set_postfix(fields, refresh=False)
-        else:
-            self.log(f"round {t + 1}  " + "  ".join(f"{k} {v}" for k, v in fields.items()))
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _where(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Per-row choice: ``new`` where ``mask`` (L,) is set, else ``old``."""
     return torch.where(mask.view(-1, *([1] * (new.dim() - 1))), new, old)
 
 
-class RunStopped(Exception):
-    """A run stopped by SIGTERM or SIGINT after finishing a round and writing its checkpoint."""
-
-    def __init__(self, signum: int, rounds_done: int, out: Path):
-        name = signal.Signals(signum).name if signum in iter(signal.Signals) else str(signum)
-        super().__init__(
-            f"stopped by {name} after round {rounds_done}; checkpoint saved; continue with: "
-            f"gossip-pfl run --resume {out}"
-        )
-        self.code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
-
-
-class StopSignals:
-    """While a run is in its loop, SIGTERM (what SLURM and Kubernetes send) and SIGINT
-    (Ctrl-C) ask it to stop after the current round, with a checkpoint; a second SIGINT stops
-    it at once. Only in the main thread (signal handlers live there); elsewhere a no-op."""
-
-    SIGNALS = (signal.SIGINT, signal.SIGTERM)
-
-    def __init__(self):
-        self.received = 0
-        self._old: dict = {}
-
-    def _handle(self, signum, frame) -> None:
-        if self.received and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.received = signum
-
-    def __enter__(self) -> StopSignals:
-        if threading.current_thread() is threading.main_thread():
-            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for s, handler in self._old.items():
-            signal.signal(s, handler)
-
-
-def _write(path: Path, action) -> None:
-    """Run a write of the run's output, turning file-system failures (a full disk, no
-    permission, a file where a folder should be) into a one-line error."""
-    try:
-        action(path)
-    except OSError as err:
-        raise GossipError(f"out: could not write {path} ({err.strerror or err})") from None
-
-
-def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
-    """Before any data is built: the output folder is not a file, can be created or written,
-    and holds no other run unless resuming it or told to overwrite it."""
-    if out.exists() and not out.is_dir():
-        raise GossipError(f"out: {out} is a file, not a folder; choose another --out")
-    ancestor = out
-    while not ancestor.exists():
-        ancestor = ancestor.parent
-    if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise GossipError(
-            f"out: cannot write into {ancestor} (permission denied); choose another --out"
-        )
-    if out.is_dir() and not resume:
-        found = [
-            f for f in ("metrics.jsonl", "summary.json", checkpoint.FILE) if (out / f).exists()
-        ]
-        if found and not overwrite:
-            raise GossipError(
-                f"out: {out} holds another run ({', '.join(found)}); choose another --out, "
-                f"continue it with --resume {out}, or replace it with --overwrite"
-            )
-        if found and int(os.environ.get("RANK", 0)) == 0:  # a stop must not resume the old run
-            (out / checkpoint.FILE).unlink(missing_ok=True)
-
-
-def _append_row(path: Path, row: dict) -> None:
-    _write_rows(path, [row], append=True)
-
-
-def _write_rows(path: Path, rows: list[dict], append: bool = False) -> None:
-    with open(path, "a" if append else "w") as fh:
-        for row in rows:
-            fh.write(json.dumps(row) + "\n")
-
-
 def _weighted(values: np.ndarray, counts: np.ndarray) -> float:
     return float((values * counts).sum() / max(counts.sum(), 1))
-
-
-def _dump_yaml(data: dict) -> str:
-    import yaml
-
-    return yaml.safe_dump(data, sort_keys=False)
 
 
 def run(cfg: RunConfig, dataset=None, comm=None, log=print, resume: bool = False) -> dict:
@@ -1033,4 +852,4 @@ def run(cfg: RunConfig, dataset=None, comm=None, log=print, resume: bool = False
         comm.close()  # a no-op for one process
 
 
-__all__ = ["Trainer", "run", "build_schedule", "check_out_dir", "RunStopped"]
+__all__ = ["Trainer", "run", "build_schedule"]

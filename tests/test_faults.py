@@ -233,12 +233,12 @@ def _run_with_full_disk(cfg):
     """On rank 0, appending to metrics.jsonl fails as on a full disk."""
     import torch.distributed as dist
 
-    from gossip_pfl import train
+    from gossip_pfl import rundir
 
     def full(path, row):
         raise OSError(28, "No space left on device")
 
-    train._append_row = full
+    rundir.append_row = full
     try:
         Trainer(cfg, dataset=toy_dataset(8), log=quiet).run()
     except GossipError as err:

@@ -669,3 +669,43 @@ def schedule_rho(schedule: MixingSchedule, horizon: int = 100, trials: int = 20)
         return float(np.mean(rates))
     span = horizon if schedule.period is None else min(horizon, schedule.period)
     return max(rho(_window_product(schedule, t, 1)) for t in range(span))
+
+
+def check_mixing(schedule: MixingSchedule, horizon: int = 100) -> None:
+    """Raise unless the schedule can mix, with the figures that show why not: its W_t over the
+    first ``horizon`` rounds never connect all peers (gossip would then be training alone), or
+    they are not doubly stochastic (the peers' average drifts).
+
+    Examples
+    --------
+    >>> check_mixing(ExplicitSchedule([np.eye(3)]))
+    Traceback (most recent call last):
+    ...
+    topologies._base.TopologyError: schedule ... never connects all 3 peers within 100 rounds ...
+    """
+    import networkx as nx
+
+    n, h = schedule.n, min(horizon, schedule.period or horizon)
+    if n > 1 and connectivity_tau(schedule, horizon) is None:
+        union = nx.Graph()
+        union.add_nodes_from(range(n))
+        for t in range(h):
+            r, c, _ = _effective_coo(schedule, t)
+            union.add_edges_from(zip(r[r != c].tolist(), c[r != c].tolist()))
+        parts = sorted(nx.connected_components(union), key=len)
+        raise TopologyError(
+            f"schedule {schedule!r} never connects all {n} peers within {horizon} rounds (their "
+            f"union has {len(parts)} components; the smallest holds peers "
+            f"{sorted(parts[0])[:5]}): the peers would not mix"
+        )
+    if not round_properties(schedule, h)["doubly_stochastic"]:
+        for t in range(h):
+            r, c, w = _effective_coo(schedule, t)
+            for axis, what in ((r, "row"), (c, "column")):
+                sums = np.bincount(axis, weights=w, minlength=n)
+                j = int(np.abs(sums - 1).argmax())
+                if abs(sums[j] - 1) > 1e-8:
+                    raise TopologyError(
+                        f"schedule {schedule!r} is not doubly stochastic: W_{t} {what} {j} "
+                        f"sums to {sums[j]:.6g}, so the peers' average drifts"
+                    )

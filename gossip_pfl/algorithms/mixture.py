@@ -86,3 +86,29 @@ class MixtureSurrogate:
         """Personalized prediction sum_m pi_m p_m(y|x): logits (L, M, B, C) -> (L, B, K)."""
         probs = probabilities(logits, self.task)
         return torch.einsum("lm,lmbk->lbk", personal["pi"].to(probs.dtype), probs)
+
+
+@torch.no_grad()
+def fit_mixture_weights(
+    losses: torch.Tensor, mask: torch.Tensor, iters: int, tol: float = 1e-6
+) -> torch.Tensor:
+    """EM on the mixture weights alone, components fixed: pi (L, M) from uniform.
+
+    ``losses`` (L, M, N) per-sample losses, ``mask`` (L, N). The likelihoods are computed once
+    (shifted by the per-sample minimum loss, so huge losses cannot underflow everything); each
+    iteration is then q = pi * lik / sum_m, pi = mean q. Stops when pi moves less than ``tol``.
+    Clients without samples keep uniform weights.
+    """
+    lik = torch.exp(-(losses - losses.min(dim=1, keepdim=True).values)).double()  # (L, M, N)
+    weight = mask.double() / mask.sum(-1, keepdim=True).clamp_min(1)  # 1/n_i on real samples
+    pi = torch.full(lik.shape[:2], 1.0 / lik.shape[1], dtype=torch.float64, device=lik.device)
+    for _ in range(iters):
+        # pi_m <- pi_m * mean_i lik_im / sum_k pi_k lik_ik  (two batched products per sweep)
+        denom = torch.einsum("lmn,lm->ln", lik, pi).clamp_min(1e-300)
+        new = pi * torch.einsum("lmn,ln->lm", lik, weight / denom)
+        new = torch.where(mask.sum(-1, keepdim=True) > 0, new, pi)
+        done = (new - pi).abs().max() < tol
+        pi = new
+        if done:
+            break
+    return pi.to(losses.dtype)

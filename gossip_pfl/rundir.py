@@ -1,0 +1,137 @@
+"""A run's folder and its process: checks before a run, writes that fail as one-line errors,
+the progress display, and stopping on SIGTERM / SIGINT after a round."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from pathlib import Path
+
+from gossip_pfl import checkpoint
+from gossip_pfl.errors import GossipError
+
+
+class Progress:
+    """A tqdm bar on rank 0 when stdout is a terminal; plain log lines at each evaluation
+    otherwise (CI, files); nothing with --quiet (a no-op ``log``)."""
+
+    def __init__(self, total: int, start: int, enabled: bool, log):
+        import sys
+
+        self.log, self.enabled = log, enabled
+        self.bar = None
+        if enabled and sys.stdout.isatty() and log is print:
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, unit="round", dynamic_ncols=True)
+
+    def tick(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def report(self, t: int, row: dict) -> None:
+        if not self.enabled:
+            return
+        fields = {
+            "loss": f"{row['train_loss']:.4f}",
+            "acc": f"{row['test_accuracy']:.4f}",
+            "consensus": f"{max(row['consensus_distance']):.3g}",
+        }
+        if self.bar is not None:
+            self.bar.set_postfix(fields, refresh=False)
+        else:
+            self.log(f"round {t + 1}  " + "  ".join(f"{k} {v}" for k, v in fields.items()))
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+class RunStopped(Exception):
+    """A run stopped by SIGTERM or SIGINT after finishing a round and writing its checkpoint."""
+
+    def __init__(self, signum: int, rounds_done: int, out: Path):
+        name = signal.Signals(signum).name if signum in iter(signal.Signals) else str(signum)
+        super().__init__(
+            f"stopped by {name} after round {rounds_done}; checkpoint saved; continue with: "
+            f"gossip-pfl run --resume {out}"
+        )
+        self.code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+
+class StopSignals:
+    """While a run is in its loop, SIGTERM (what SLURM and Kubernetes send) and SIGINT
+    (Ctrl-C) ask it to stop after the current round, with a checkpoint; a second SIGINT stops
+    it at once. Only in the main thread (signal handlers live there); elsewhere a no-op."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self):
+        self.received = 0
+        self._old: dict = {}
+
+    def _handle(self, signum, frame) -> None:
+        if self.received and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __enter__(self) -> StopSignals:
+        if threading.current_thread() is threading.main_thread():
+            self._old = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+
+
+def write(path: Path, action) -> None:
+    """Run a write of the run's output, turning file-system failures (a full disk, no
+    permission, a file where a folder should be) into a one-line error."""
+    try:
+        action(path)
+    except OSError as err:
+        raise GossipError(f"out: could not write {path} ({err.strerror or err})") from None
+
+
+def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
+    """Before any data is built: the output folder is not a file, can be created or written,
+    and holds no other run unless resuming it or told to overwrite it."""
+    if out.exists() and not out.is_dir():
+        raise GossipError(f"out: {out} is a file, not a folder; choose another --out")
+    ancestor = out
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise GossipError(
+            f"out: cannot write into {ancestor} (permission denied); choose another --out"
+        )
+    if out.is_dir() and not resume:
+        found = [
+            f for f in ("metrics.jsonl", "summary.json", checkpoint.FILE) if (out / f).exists()
+        ]
+        if found and not overwrite:
+            raise GossipError(
+                f"out: {out} holds another run ({', '.join(found)}); choose another --out, "
+                f"continue it with --resume {out}, or replace it with --overwrite"
+            )
+        if found and int(os.environ.get("RANK", 0)) == 0:  # a stop must not resume the old run
+            (out / checkpoint.FILE).unlink(missing_ok=True)
+
+
+def append_row(path: Path, row: dict) -> None:
+    write_rows(path, [row], append=True)
+
+
+def write_rows(path: Path, rows: list[dict], append: bool = False) -> None:
+    with open(path, "a" if append else "w") as fh:
+        for row in rows:
+            fh.write(json.dumps(row) + "\n")
+
+
+def dump_yaml(data: dict) -> str:
+    import yaml
+
+    return yaml.safe_dump(data, sort_keys=False)
