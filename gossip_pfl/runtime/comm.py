@@ -1,6 +1,7 @@
 """Point-to-point transport between ranks. ``LocalComm`` is the single-process case (no
-torch.distributed at all); ``TorchComm`` wraps an initialized process group (Gloo or NCCL).
-A future transport (e.g. pyzmq) implements the same three methods."""
+torch.distributed at all); ``TorchComm`` wraps an initialized process group (Gloo or NCCL);
+``ZmqComm`` (gossip_pfl/runtime/zmq_comm.py) talks peer to peer over pyzmq. All implement the
+``Comm`` protocol; ``build_comm`` makes one by its transport name ("torch", "zmq")."""
 
 from __future__ import annotations
 
@@ -8,12 +9,46 @@ import datetime
 import inspect
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
 from gossip_pfl.errors import GossipError
+
+
+@runtime_checkable
+class Waitable(Protocol):
+    """An exchange in flight."""
+
+    def wait_all(self) -> None:
+        """Return once every receive has landed and every send has left; raise GossipError
+        (naming the ranks) when a peer does not answer within the transport's timeout."""
+
+
+@runtime_checkable
+class Comm(Protocol):
+    """The transport between ranks that the Exchanger and the Trainer use."""
+
+    device: torch.device  # where the rank's tensors live
+    rank: int
+    world_size: int
+
+    def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> Waitable:
+        """Start sending ``sends[r]`` to rank r and receiving into the preallocated ``recvs[r]``
+        from rank r; the caller computes, then calls ``wait_all()`` on the result."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over all ranks in place (the same result on every rank); return it."""
+
+    def set_tag(self, round: int, phase: int = 0) -> None:  # noqa: A002
+        """Name the (round, phase) the following operations belong to (used by transports that
+        match messages by tag; a no-op for the others)."""
+
+    def close(self) -> None:
+        """Release sockets / the process group."""
 
 
 @dataclass
@@ -32,6 +67,9 @@ class LocalComm:
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def set_tag(self, round: int, phase: int = 0) -> None:  # noqa: A002
+        pass
 
     def close(self) -> None:
         pass
@@ -70,6 +108,9 @@ class TorchComm:
                 "a peer process probably died"
             ) from None
         return tensor
+
+    def set_tag(self, round: int, phase: int = 0) -> None:  # noqa: A002
+        pass  # torch.distributed matches messages by order: nothing to tag
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -196,3 +237,43 @@ def init_comm(device: str = "auto", backend: str = "auto", timeout_s: float = 30
     # a small all_reduce first sets up the communicator on every rank.
     comm.all_reduce_sum(torch.zeros(1, device=dev))
     return comm
+
+
+def _zmq_comm(
+    device: str = "auto",
+    timeout_s: float = 300.0,
+    *,
+    peers,
+    rank: int,
+    bind_host: str | None = None,
+    **_,
+):
+    from gossip_pfl.runtime.zmq_comm import ZmqComm  # pyzmq is only needed here
+
+    return ZmqComm(rank, peers, resolve_device(device), timeout_s, bind_host=bind_host)
+
+
+def _torch_comm(device: str = "auto", timeout_s: float = 300.0, *, backend: str = "auto", **_):
+    return init_comm(device, backend, timeout_s)
+
+
+# transport name (runtime.transport) -> builder(device, timeout_s, **options) -> Comm
+TRANSPORTS: dict[str, Callable[..., Comm]] = {"torch": _torch_comm, "zmq": _zmq_comm}
+
+
+def register_transport(name: str, builder: Callable[..., Comm]) -> None:
+    """Make ``build_comm(name, ...)`` call ``builder(device, timeout_s, **options)``."""
+    TRANSPORTS[name] = builder
+
+
+def build_comm(
+    transport: str = "torch", device: str = "auto", timeout_s: float = 300.0, **options
+) -> Comm:
+    """The transport named ``transport``. ``torch`` takes ``backend`` and reads torchrun's
+    environment (see ``init_comm``); ``zmq`` takes ``peers`` (a YAML file or a dict of rank ->
+    host:port), ``rank`` and optionally ``bind_host``."""
+    if transport not in TRANSPORTS:
+        raise GossipError(
+            f"runtime.transport must be one of {sorted(TRANSPORTS)} (got {transport!r})"
+        )
+    return TRANSPORTS[transport](device, timeout_s, **options)

@@ -1,0 +1,184 @@
+"""The pyzmq transport on loopback: exchanges move the right rows between processes started in
+any order, all_reduce_sum is bit-identical on every rank, and bad, stale or missing messages are
+dropped, counted or reported within the timeout."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from _helpers import free_port, run_ranks
+
+from gossip_pfl.errors import GossipError
+from gossip_pfl.runtime.comm import Comm, LocalComm, build_comm
+
+zmq = pytest.importorskip("zmq")
+zc = pytest.importorskip("gossip_pfl.runtime.zmq_comm")
+
+
+def _peers(n: int) -> dict[int, str]:
+    return {r: f"127.0.0.1:{free_port()}" for r in range(n)}
+
+
+def _rows(rank: int, rnd: int) -> torch.Tensor:
+    """Rank ``rank``'s (3, 5) state in round ``rnd``: every entry distinct."""
+    return torch.arange(15, dtype=torch.float32).view(3, 5) + 100 * rank + 1000 * rnd
+
+
+def _vector(rank: int) -> torch.Tensor:
+    # values of mixed magnitude, so a different order of additions would change the last bits
+    g = torch.Generator().manual_seed(rank)
+    return torch.randn(257, generator=g) * 10.0 ** torch.randint(-4, 5, (257,), generator=g)
+
+
+def _ring_worker(peers, delays):
+    rank, n = int(os.environ["RANK"]), len(peers)
+    time.sleep(delays[rank])  # start in any order
+    comm = build_comm("zmq", "cpu", 20.0, peers=peers, rank=rank)
+    assert isinstance(comm, Comm)
+    left, right = (rank - 1) % n, (rank + 1) % n
+    got = []
+    try:
+        for rnd in range(3):
+            comm.set_tag(rnd, 0)
+            state = _rows(rank, rnd)
+            # two rows to the right, one (not contiguous in memory: a column slice) to the left
+            sends = {right: state[0:2], left: state[2:3, 1:4]}
+            recvs = {left: torch.full((2, 5), float("nan")), right: torch.full((1, 3), -1.0)}
+            comm.exchange(sends, recvs).wait_all()
+            got.append((recvs[left].clone(), recvs[right].clone()))
+            total = comm.all_reduce_sum(_vector(rank + rnd))
+        return got, total.numpy().tobytes(), dict(comm.stats)
+    finally:
+        comm.close()
+
+
+def test_ring_exchange_and_all_reduce_across_processes_started_in_any_order():
+    peers = _peers(4)
+    results = run_ranks(4, _ring_worker, peers, [0.8, 0.0, 0.4, 1.2], timeout=60)
+    assert all(status == "ok" for status, _ in results), results
+    for rank, (_, (got, total, stats)) in enumerate(results):
+        left, right = (rank - 1) % 4, (rank + 1) % 4
+        for rnd, (from_left, from_right) in enumerate(got):
+            assert torch.equal(from_left, _rows(left, rnd)[0:2])
+            assert torch.equal(from_right, _rows(right, rnd)[2:3, 1:4])
+        assert stats == dict.fromkeys(stats, 0)
+        # the last round's sum: ranks' tensors added in rank order, bit for bit on every rank
+        expected = _vector(0 + 2).clone()
+        for r in range(1, 4):
+            expected += _vector(r + 2)
+        assert total == expected.numpy().tobytes()
+
+
+def _send_raw(sock, key, sender, tensor, payload=None):
+    t = tensor.contiguous()
+    head = zc._HEAD.pack(zc._MAGIC, *key, sender, zc._CODE[t.dtype], t.dim())
+    head += b"".join(zc._DIM.pack(d) for d in t.shape)
+    sock.send_multipart([head, t.numpy().tobytes() if payload is None else payload])
+
+
+@pytest.fixture
+def comm0():
+    peers = _peers(3)
+    comm = zc.ZmqComm(0, peers, timeout_s=1.0)
+    ctx = zmq.Context()
+    push = ctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"tcp://{peers[0]}")
+    yield comm, push
+    push.close()
+    ctx.term()
+    comm.close()
+
+
+def test_stale_bad_and_unknown_messages_are_dropped_and_future_ones_queued(comm0):
+    comm, push = comm0
+    good = torch.arange(6, dtype=torch.float32).view(2, 3)
+    ex = zc.EXCHANGE
+    _send_raw(push, (1, 0, ex, 0), 1, good + 1)  # stale: round 1 is over when it is read
+    _send_raw(push, (2, 0, ex, 0), 1, torch.ones(3, 2))  # wrong shape
+    _send_raw(push, (2, 0, ex, 0), 1, torch.ones(2, 3, dtype=torch.float64))  # wrong dtype
+    _send_raw(push, (2, 0, ex, 0), 7, good + 2)  # unknown sender
+    _send_raw(push, (2, 0, ex, 0), 2, good + 3)  # a rank this exchange does not receive from
+    _send_raw(push, (2, 0, ex, 0), 1, good, payload=b"short")  # payload shorter than its header
+    push.send_multipart([b"junk", b"x"])  # malformed
+    _send_raw(push, (3, 1, ex, 0), 1, good + 4)  # a later tag: queued
+    _send_raw(push, (2, 0, ex, 0), 1, good)  # the one that counts
+    comm.set_tag(2, 0)
+    time.sleep(0.2)
+    recv = torch.zeros(2, 3)
+    comm.exchange({}, {1: recv}).wait_all()
+    assert torch.equal(recv, good)
+    comm.set_tag(3, 1)  # the queued message is served without waiting for the socket
+    comm.exchange({}, {1: recv}).wait_all()
+    assert torch.equal(recv, good + 4)
+    # the stale one is read during the first wait (before the good one) or left on the socket;
+    # either way it never lands in a tensor
+    assert comm.stats["bad"] == 4 and comm.stats["unknown"] == 1
+    assert comm.stats["unexpected"] == 1 and comm.stats["stale"] == 1
+
+
+def test_a_missing_neighbour_raises_within_the_timeout(comm0):
+    comm, _ = comm0
+    comm.set_tag(5, 2)
+    start = time.monotonic()
+    pending = comm.exchange({}, {1: torch.zeros(4), 2: torch.zeros(4)})
+    waited = r"round 5, phase 2 timed out after 1 s .*rank\(s\) \[1, 2\]"
+    with pytest.raises(GossipError, match=waited):
+        pending.wait_all()
+    assert time.monotonic() - start < 2.0
+    # the transport is usable again for the next operation
+    comm.set_tag(6, 0)
+    with pytest.raises(GossipError, match=r"rank\(s\) \[2\]"):
+        comm.exchange({}, {2: torch.zeros(1)}).wait_all()
+
+
+def test_a_send_to_a_peer_that_never_starts_times_out():
+    peers = _peers(2)
+    with zc.ZmqComm(0, peers, timeout_s=0.5) as comm:
+        # big enough not to fit the kernel's socket buffers while nobody listens
+        pending = comm.exchange({1: torch.zeros(1 << 16)}, {})
+        with pytest.raises(GossipError, match=r"sending to rank\(s\) \[1\]"):
+            pending.wait_all()
+
+
+@pytest.mark.parametrize(
+    ("peers", "message"),
+    [
+        ({0: "127.0.0.1:5000", 2: "127.0.0.1:5001"}, r"rank id\(s\) \[1\] missing"),
+        ({0: "127.0.0.1:5000", 1: "127.0.0.1:5000"}, "ranks 0 and 1 share the address"),
+        ({0: "127.0.0.1", 1: "127.0.0.1:5001"}, "is not host:port"),
+        ({0: "127.0.0.1:5000", "x": "127.0.0.1:5001"}, "is not an integer"),
+        ([], "expected a mapping"),
+    ],
+)
+def test_bad_peers_tables(peers, message):
+    with pytest.raises(GossipError, match=message):
+        zc.read_peers(peers)
+
+
+def test_peers_file_port_in_use_and_registry(tmp_path):
+    peers = _peers(2)
+    f = tmp_path / "peers.yaml"
+    f.write_text("".join(f"{r}: {a}\n" for r, a in peers.items()))
+    assert zc.read_peers(f) == peers
+    with zc.ZmqComm(1, f, timeout_s=1) as comm:
+        assert (comm.rank, comm.world_size, comm.device.type) == (1, 2, "cpu")
+        with pytest.raises(GossipError, match="cannot listen on"):
+            zc.ZmqComm(1, f)
+    with pytest.raises(GossipError, match="not in the peers table"):
+        zc.ZmqComm(2, f)
+    with pytest.raises(GossipError, match="runtime.transport must be one of"):
+        build_comm("carrier-pigeon")
+    assert isinstance(LocalComm(torch.device("cpu")), Comm)
+
+
+def test_one_rank_world_and_tags_only_move_forward():
+    with zc.ZmqComm(0, _peers(1), timeout_s=1) as comm:
+        x = torch.tensor([1.5])
+        assert comm.all_reduce_sum(x) is x and x.item() == 1.5
+        comm.set_tag(3, 1)
+        with pytest.raises(GossipError, match="before the current"):
+            comm.set_tag(3, 0)
