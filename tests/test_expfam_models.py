@@ -12,6 +12,7 @@ from gossip_pfl.expfam.models import (
     GaussianMixtureShared,
     GMMParams,
     client_means,
+    initial_params,
     mean_field,
     sample_batch,
 )
@@ -130,7 +131,7 @@ def test_per_client_theta_matches_separate_calls():
 @pytest.mark.parametrize("cls", [GaussianMixtureShared, GaussianMixtureDiagonal])
 def test_projection_keeps_t_in_its_domain(cls):
     x, z, _ = _labelled(n=2, m=100)
-    model = cls.from_data(x, 3) if cls is GaussianMixtureShared else cls(3, 2)
+    model = cls.from_data(x, 3)
     s = model.complete_stats(x, z).mean(dim=(0, 1))
     g = torch.Generator().manual_seed(0)
     noisy = s + 3.0 * torch.randn(500, model.q, generator=g, dtype=DTYPE) * s.abs().mean()
@@ -172,3 +173,18 @@ def test_bad_sizes_are_one_line_errors():
         GaussianMixtureShared(2, 2, torch.zeros(2, 2))
     with pytest.raises(GossipError, match="batch"):
         sample_batch(2, 10, 0)
+
+
+@pytest.mark.parametrize("diagonal", [False, True])
+def test_initial_params_are_in_the_domain(diagonal):
+    x, _, _ = _labelled(n=2, m=30)
+    cls = GaussianMixtureDiagonal if diagonal else GaussianMixtureShared
+    model = cls.from_data(x, 3)
+    theta = initial_params(x, 3, diagonal, torch.Generator().manual_seed(0))
+    assert torch.allclose(theta.weights, torch.full((3,), 1 / 3, dtype=DTYPE))
+    y = x.reshape(-1, 2)
+    assert all((y == mu).all(-1).any() for mu in theta.means)
+    s = model.sbar(theta, x).mean(dim=(0, 1))
+    assert model.project(s)[1] == 0 and torch.isfinite(s).all()
+    with pytest.raises(GossipError, match="components"):
+        initial_params(x, 61, diagonal)

@@ -190,6 +190,11 @@ class GaussianMixtureDiagonal:
         self.min_weight = float(min_weight)
         self.min_var = float(min_var)
 
+    @classmethod
+    def from_data(cls, x: torch.Tensor, G: int, **kw) -> GaussianMixtureDiagonal:
+        """Same signature as :meth:`GaussianMixtureShared.from_data` (needs only d)."""
+        return cls(G, torch.as_tensor(x).shape[-1], **kw)
+
     def split(self, s: torch.Tensor):
         G, d = self.G, self.d
         return (
@@ -253,6 +258,22 @@ class GaussianMixtureDiagonal:
         fixed += int(bad.sum())
         s2 = torch.where(bad, s0.unsqueeze(-1) * (mu2 + var_floor), s2)
         return self.join(s0, s1, s2), fixed
+
+
+def initial_params(x: torch.Tensor, G: int, diagonal: bool, generator=None) -> GMMParams:
+    """The paper's MNIST initialisation: pi = 1/G, means drawn from the examples (without
+    replacement), the empirical covariance (shared) or per-coordinate variances (diagonal)."""
+    x = torch.as_tensor(x, dtype=DTYPE)
+    y = x.reshape(-1, x.shape[-1])
+    if G > y.shape[0]:
+        raise GossipError(f"components: G = {G} exceeds the {y.shape[0]} examples")
+    pick = torch.randperm(y.shape[0], generator=generator)[:G]
+    yc = y - y.mean(0)
+    if diagonal:
+        cov = (yc**2).mean(0).expand(G, -1).clone()
+    else:
+        cov = yc.T @ yc / y.shape[0]
+    return GMMParams(torch.full((G,), 1.0 / G, dtype=DTYPE), y[pick].clone(), cov)
 
 
 def sample_batch(n: int, m: int, batch: int | None, generator=None) -> torch.Tensor | None:
