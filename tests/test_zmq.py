@@ -5,11 +5,12 @@ dropped, counted or reported within the timeout."""
 from __future__ import annotations
 
 import os
+import socket
 import time
 
 import pytest
 import torch
-from _helpers import free_port, run_ranks
+from _helpers import run_ranks
 
 from gossip_pfl.errors import GossipError
 from gossip_pfl.runtime.comm import Comm, LocalComm, build_comm
@@ -19,7 +20,15 @@ zc = pytest.importorskip("gossip_pfl.runtime.zmq_comm")
 
 
 def _peers(n: int) -> dict[int, str]:
-    return {r: f"127.0.0.1:{free_port()}" for r in range(n)}
+    """n distinct free loopback ports (held open together while they are picked)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return {r: f"127.0.0.1:{s.getsockname()[1]}" for r, s in enumerate(socks)}
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _rows(rank: int, rnd: int) -> torch.Tensor:
@@ -182,3 +191,59 @@ def test_one_rank_world_and_tags_only_move_forward():
         comm.set_tag(3, 1)
         with pytest.raises(GossipError, match="before the current"):
             comm.set_tag(3, 0)
+
+
+def _mix_phases(n: int) -> list:
+    """Two phases on n nodes: a ring, then a ring with chords i -> i + 3 (non-contiguous
+    sends), with random row-stochastic weights."""
+    import numpy as np
+
+    from topologies import Phase
+
+    rng = np.random.default_rng(0)
+    phases = []
+    for hops in ([-1, 1], [-1, 1, 3]):
+        rows = np.repeat(np.arange(n), len(hops) + 1)
+        cols = np.concatenate([[i, *((i + h) % n for h in hops)] for i in range(n)])
+        w = rng.random((n, len(hops) + 1))
+        phases.append(Phase(n, rows, cols, (w / w.sum(1, keepdims=True)).ravel()))
+    return phases
+
+
+def _exchanger_worker(peers, n, transport):
+    from gossip_pfl.runtime.comm import init_comm
+    from gossip_pfl.runtime.exchange import Exchanger
+    from gossip_pfl.runtime.placement import Placement
+
+    rank, world = int(os.environ["RANK"]), len(peers)
+    x = torch.randn(n, 33, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    if transport == "zmq":
+        comm = build_comm("zmq", "cpu", 20.0, peers=peers, rank=rank)
+    else:
+        comm = init_comm("cpu", "gloo", 20.0)
+    placement = Placement(n, world, rank)
+    ex = Exchanger(placement, comm)
+    state = x[placement.peers].clone()
+    try:
+        for k, phase in enumerate(_mix_phases(n)):
+            comm.set_tag(0, k)
+            state = ex.mix(state, ex.plan(phase))
+    finally:
+        comm.close()
+    return state
+
+
+def test_exchanger_over_zmq_mixes_as_over_gloo():
+    n = 10  # blocks of 3, 3, 2, 2 peers on 4 ranks
+    # two runs: a zmq peer port picked while the other run's MASTER_PORT is free could collide
+    runs = {
+        t: run_ranks(4, _exchanger_worker, _peers(4), n, t, timeout=60) for t in ("zmq", "gloo")
+    }
+    assert all(status == "ok" for res in runs.values() for status, _ in res), runs
+    x = torch.randn(n, 33, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    for phase in _mix_phases(n):
+        x = torch.as_tensor(phase.dense()) @ x
+    got_zmq = torch.cat([state for _, state in runs["zmq"]])
+    got_gloo = torch.cat([state for _, state in runs["gloo"]])
+    assert torch.equal(got_zmq, got_gloo)  # the same rows arrive, so the same products
+    torch.testing.assert_close(got_zmq, x, rtol=1e-12, atol=1e-12)

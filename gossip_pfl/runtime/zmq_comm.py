@@ -14,8 +14,9 @@ so a rank waits on a single socket.
 Messages are two frames: a fixed-size header (magic, round, phase, kind, sequence number,
 sender, dtype and shape) and the tensor's bytes. Sends are zero-copy for contiguous CPU tensors
 (ZeroMQ holds the tensor's memory until the bytes have left; ``Pending.wait_all`` waits for
-that). A message for the operation being waited on is received straight into the preallocated
-tensor (``recv_into``), after its header was checked; nothing is pickled.
+that; pyzmq copies messages under 64 KiB instead, and ``close`` lingers so those still leave).
+A message for the operation being waited on is received straight into the preallocated tensor
+(``recv_into``), after its header was checked; nothing is pickled.
 
 Tags: the caller calls ``comm.set_tag(round, phase)`` before the phase's exchange (the
 Trainer's round loop, once per phase; ``all_reduce_sum`` calls in the same round go under the
@@ -467,8 +468,11 @@ class ZmqComm:
         return tensor
 
     def close(self) -> None:
+        """Close the sockets. Messages still queued for a live peer get up to ``timeout_s`` to
+        leave (pyzmq copies small messages and reports them sent at once, so the last
+        exchange's may still be queued); those for a dead peer are then discarded."""
         for sock in self._push.values():
-            sock.close(linger=0)
+            sock.close(linger=int(self.timeout_s * 1000))
         self._push.clear()
         self._pull.close(linger=0)
         self._ctx.term()
