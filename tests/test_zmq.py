@@ -247,3 +247,41 @@ def test_exchanger_over_zmq_mixes_as_over_gloo():
     got_gloo = torch.cat([state for _, state in runs["gloo"]])
     assert torch.equal(got_zmq, got_gloo)  # the same rows arrive, so the same products
     torch.testing.assert_close(got_zmq, x, rtol=1e-12, atol=1e-12)
+
+
+def _zmq_trainer(cfg, peers):
+    from _helpers import toy_dataset
+
+    from gossip_pfl.train import Trainer
+
+    comm = build_comm("zmq", "cpu", 30.0, peers=peers, rank=int(os.environ["RANK"]))
+    try:
+        trainer = Trainer(cfg, dataset=toy_dataset(8), comm=comm, log=lambda *a: None)
+        summary = trainer.run()
+    finally:
+        comm.close()
+    theta, pi = trainer.shared_parameters(), trainer.personal["pi"].cpu().numpy()
+    return {int(p): (theta[i], pi[i], summary) for i, p in enumerate(trainer.peers)}, comm.stats
+
+
+def test_dfedem_over_zmq_equals_one_process(tmp_path):
+    """The Trainer, unchanged (it sets no tag: every operation runs under (0, 0), matched by
+    call order), runs D-FedEM over ZmqComm on 4 processes as in one process."""
+    import numpy as np
+    from test_runtime import make_cfg, train_and_collect
+
+    single = train_and_collect(make_cfg(tmp_path / "one", "ring", "dfedem", components=3))
+    cfg = make_cfg(tmp_path / "zmq", "ring", "dfedem", components=3)
+    results = run_ranks(4, _zmq_trainer, cfg, _peers(4), timeout=90)
+    assert all(status == "ok" for status, _ in results), results
+    multi = {}
+    for _, (peers, stats) in results:
+        multi.update(peers)
+        assert stats == dict.fromkeys(stats, 0)
+    assert sorted(multi) == sorted(single)
+    for peer, (theta, pi, summary) in single.items():
+        np.testing.assert_allclose(multi[peer][0], theta, rtol=1e-6, atol=1e-7)
+        np.testing.assert_allclose(multi[peer][1], pi, rtol=1e-6, atol=1e-7)
+        for key in ("test_accuracy", "train_accuracy", "test_accuracy_p10"):
+            assert abs(multi[peer][2][key] - summary[key]) < 1e-6
+        assert abs(multi[peer][2]["train_loss"] - summary["train_loss"]) < 1e-6
