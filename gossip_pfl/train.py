@@ -26,7 +26,7 @@ from gossip_pfl import checkpoint, rundir
 from gossip_pfl.algorithms import AlgorithmSpec, build_solver, build_surrogate, get_algorithm
 from gossip_pfl.algorithms.losses import num_outputs, sample_loss
 from gossip_pfl.algorithms.mixture import fit_mixture_weights
-from gossip_pfl.algorithms.rules import Inbox, build_rule, client_part
+from gossip_pfl.algorithms.rules import Inbox, build_rule
 from gossip_pfl.config import RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.metrics import recovery_entry
@@ -159,7 +159,7 @@ class Trainer:
         self.n_active = participant_count(cfg.participation, n)
         self.rule = build_rule(cfg.rule.name or self.spec.rule, cfg.rule, n)
         self.route = self._route()
-        self.client = client_part(self.rule)
+        self.client = self.rule.client_part()
         # Shared state: (local nodes, M, P); rows past L are auxiliary nodes (an aggregating hub).
         n_nodes = n + 1 if self.route == "star" else n
         if self.schedule is not None:
@@ -217,6 +217,9 @@ class Trainer:
         self.steps_taken = torch.zeros(L, dtype=torch.float64, device=self.device)
         self.track_loss = "loss" in self.rule.scalars
         self.line_search = isinstance(self.solver, LocalArmijo)
+        # the line search's grow reset: 2^(1 / batches per epoch)
+        per_epoch = -(-self.counts // a.batch_size)
+        self.batches_per_epoch = torch.as_tensor(per_epoch, device=self.device)
         self.outbox = None
 
     def _route(self) -> str:
@@ -327,7 +330,6 @@ class Trainer:
             [len(r) for r in active_rows]
         )
         self.steps_taken.copy_(torch.as_tensor((filled > 0).sum(0), device=self.device))
-        batches = torch.as_tensor(-(-self.counts // a.batch_size), device=self.device)
         idx = torch.as_tensor(idx, device=self.device)
         weight = torch.as_tensor(weight, device=self.device)
         anchor = theta.clone() if self.solver.prox_mu else None
@@ -363,7 +365,7 @@ class Trainer:
                         self.surrogate.shared_loss(self, cand, x[sub], y[sub], sw[sub]) * mean[sub]
                     )
 
-                extra.update(loss=loss, loss_at=loss_at, batches=batches[sel])
+                extra.update(loss=loss, loss_at=loss_at, batches=self.batches_per_epoch[sel])
             self.solver.step(theta, grad, opt_state, sel, self.lr_scale, factor, anchor, **extra)
 
     def communicate(self, t: int, active: np.ndarray | None = None) -> None:
@@ -426,7 +428,7 @@ class Trainer:
         participants' average into the model (and tensors) the hub sends back."""
         L = len(self.peers)
         clients = {}
-        for name in getattr(self.rule, "per_client", ()):  # a gather: every rank joins it
+        for name in self.rule.per_client:  # a gather: every rank joins it
             table = self.rows_of(self.outbox[name].double()[:, None])[:, 0]
             clients[name] = table[torch.as_tensor(active, device=self.device)]
         if self.comm.rank != 0:

@@ -68,7 +68,7 @@ def build_surrogate(cfg, spec: AlgorithmSpec, components: int, task: str):
     return MixtureSurrogate(components, task, a.batch_size, a.pi_init, cfg.seed, a.q_smoothing)
 
 
-def build_solver(cfg, spec: AlgorithmSpec, rule=None):
+def build_solver(cfg, spec: AlgorithmSpec, rule):
     """The local solver an algorithm uses, with the config's step sizes; a rule may ask for
     its own client solver (FedLi-LS's line search, also in its gossip form)."""
     from gossip_pfl.runtime.solver import LocalArmijo, LocalSGD
@@ -76,7 +76,7 @@ def build_solver(cfg, spec: AlgorithmSpec, rule=None):
     a = cfg.algorithm
     mu = a.mu if spec.prox else 0.0
     decay = tuple(a.lr_decay)
-    if spec.solver == "armijo" or getattr(rule, "client_solver", None) == "armijo":
+    if spec.solver == "armijo" or rule.client_solver == "armijo":
         ls = cfg.line_search
         return LocalArmijo(a.lr, 0.0, a.weight_decay, mu, decay, ls.c, ls.beta, ls.eta_max,
                            ls.max_trials, ls.reset)  # fmt: skip

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from gossip_pfl.algorithms.rules import Rule
 from topologies import Phase
 
 
@@ -46,18 +47,14 @@ def bipartition(similarity: np.ndarray) -> np.ndarray:
 
 
 @dataclass(frozen=True)
-class ClusteredRule:
+class ClusteredRule(Rule):
     """The server's cluster state and its within-cluster averaging, as a rule whose state is
     every peer's cluster label (replicated on every rank) and whose route is its own phase."""
 
     n: int
     tol1: float = 0.4
     tol2: float = 1.6
-    name: str = "clustered"
-    gossip: bool = False
-    scalars: tuple[str, ...] = ()
-    tensors: tuple[str, ...] = ()
-    needs_theta: bool = True  #: the round-start models: updates are measured from them
+    name = "clustered"  # needs_theta: updates are measured from the round-start models
 
     def init(self, theta=None) -> dict[str, torch.Tensor]:
         return {"labels": torch.zeros(self.n, dtype=torch.int64)}

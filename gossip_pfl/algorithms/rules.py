@@ -24,6 +24,7 @@ Karimireddy et al. 2020, "SCAFFOLD"; Sattler et al. 2020, "Clustered Federated L
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -53,15 +54,30 @@ def _rows(v: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return v.to(like.dtype)[:, None, None]
 
 
+class Rule:
+    """What the runtime reads of a rule besides ``init`` and ``update``; each rule overrides
+    what differs (class attributes: the options are the dataclass fields)."""
+
+    name: ClassVar[str]
+    gossip: ClassVar[bool] = False  #: the same update works per peer on a gossip schedule
+    scalars: ClassVar[tuple[str, ...]] = ()  #: per-client scalars it reads (their mean)
+    tensors: ClassVar[tuple[str, ...]] = ()  #: parameter-shaped tensors carried both ways
+    needs_theta: ClassVar[bool] = True  #: reads the round-start model (a copy is kept)
+    per_client: ClassVar[tuple[str, ...]] = ()  #: scalars the hub reads client by client
+    client_solver: ClassVar[str] = "sgd"  #: the clients' local solver: sgd | armijo
+
+    def client_part(self):
+        """The client side it needs beyond plain local steps (None for most)."""
+        return None
+
+
 @dataclass(frozen=True)
-class Average:
+class Average(Rule):
     """FedAvg's weighted average (and decentralized SGD's W_t mix): theta <- the average."""
 
-    name: str = "average"
-    gossip: bool = True
-    scalars: tuple[str, ...] = ()
-    tensors: tuple[str, ...] = ()
-    needs_theta: bool = False  #: the round-start model is not read: no copy is kept
+    name = "average"
+    gossip = True
+    needs_theta = False  # the round-start model is not read: no copy is kept
 
     def init(self, theta: torch.Tensor) -> State:
         return {}
@@ -71,7 +87,7 @@ class Average:
 
 
 @dataclass(frozen=True)
-class ServerOpt:
+class ServerOpt(Rule):
     """A server optimizer on the pseudo-gradient d = theta - mean(theta_i) (Reddi et al. 2021,
     Algorithm 2, in descent form):
 
@@ -89,10 +105,6 @@ class ServerOpt:
     beta1: float = 0.9
     beta2: float = 0.99
     tau: float = 1e-3
-    gossip: bool = False
-    scalars: tuple[str, ...] = ()
-    tensors: tuple[str, ...] = ()
-    needs_theta: bool = True
 
     @property
     def name(self) -> str:
@@ -125,18 +137,16 @@ class ServerOpt:
 
 
 @dataclass(frozen=True)
-class FedExP:
+class FedExP(Rule):
     """FedExP (Jhunjhunwala et al. 2023): extrapolate along the average update,
     ``eta_g = max(1, mean ||Delta_i||^2 / (2 (||Delta||^2 + eps)))``, ``theta - eta_g Delta``.
     Means are over the senders with the aggregation weights (the paper's 1/S for uniform
     weights). Gossip form (new): a peer uses its neighbours' W_t-weighted means."""
 
     eps: float = 1e-3
-    name: str = "fedexp"
-    gossip: bool = True
-    scalars: tuple[str, ...] = ("sq_delta",)
-    tensors: tuple[str, ...] = ()
-    needs_theta: bool = True
+    name = "fedexp"
+    gossip = True
+    scalars = ("sq_delta",)
 
     def step_size(self, inbox: Inbox, theta: torch.Tensor) -> torch.Tensor:
         d2 = _norm2(theta - inbox.mean["theta"])
@@ -152,7 +162,7 @@ class FedExP:
 
 
 @dataclass(frozen=True)
-class FedLiLU:
+class FedLiLU(Rule):
     """FedLi-LU's server step (Algorithm 2, eq. 21 in the intended form of the digest):
     ``r = lam theta``, ``gamma = clip((f - eta <Delta, r>) / (eta ||Delta||^2), 0, 1)``,
     ``theta - eta (r + gamma Delta)`` with f the weighted mean of the clients' last losses.
@@ -161,11 +171,9 @@ class FedLiLU:
 
     lam: float = 0.0
     eta: float = 1.0
-    name: str = "fedli_lu"
-    gossip: bool = True
-    scalars: tuple[str, ...] = ("loss",)
-    tensors: tuple[str, ...] = ()
-    needs_theta: bool = True
+    name = "fedli_lu"
+    gossip = True
+    scalars = ("loss",)
 
     def init(self, theta: torch.Tensor) -> State:
         return {"gamma": torch.zeros(theta.shape[0], dtype=torch.float64, device=theta.device)}
@@ -182,25 +190,22 @@ class FedLiLU:
 
 
 @dataclass(frozen=True)
-class FedLiLS:
+class FedLiLS(Rule):
     """FedLi-LS's server step after clients' Armijo line searches: theta - s Delta with s = 1
     (``step: one``, the paper's choice for all its runs: the weighted average) or
     s = max_i eta_i over the participants (``step: max``, its non-convex heuristic)."""
 
     step: str = "one"
-    name: str = "fedli_ls"
-    client_solver: str = "armijo"  #: its clients search their step (runtime.solver.LocalArmijo)
-    scalars: tuple[str, ...] = ("eta",)
-    tensors: tuple[str, ...] = ()
-    needs_theta: bool = True
+    name = "fedli_ls"
+    client_solver = "armijo"  # its clients search their step (runtime.solver.LocalArmijo)
+    scalars = ("eta",)
 
     @property
     def gossip(self) -> bool:  # max over clients needs the hub's view of every participant
         return self.step == "one"
 
     @property
-    def per_client(self) -> tuple[str, ...]:
-        """Scalars the hub reads client by client (not only their average)."""
+    def per_client(self) -> tuple[str, ...]:  # the max over the participants' step sizes
         return ("eta",) if self.step == "max" else ()
 
     def init(self, theta: torch.Tensor) -> State:
@@ -214,17 +219,17 @@ class FedLiLS:
 
 
 @dataclass(frozen=True)
-class Scaffold:
+class Scaffold(Rule):
     """SCAFFOLD's server (option II): theta + lr (mean theta_i - theta); the hub's control
     variate c <- c + mass * mean(delta c_i), mass the participants' share of the aggregation
     weight (|S| / N for uniform weights), so c stays the weighted mean of the clients' c_i."""
 
     lr: float = 1.0
-    name: str = "scaffold"
-    gossip: bool = False
-    scalars: tuple[str, ...] = ()
-    tensors: tuple[str, ...] = ("control",)
-    needs_theta: bool = True
+    name = "scaffold"
+    tensors = ("control",)
+
+    def client_part(self) -> ScaffoldClient:
+        return ScaffoldClient()
 
     def init(self, theta: torch.Tensor) -> State:
         return {"control": torch.zeros_like(theta)}
@@ -291,8 +296,3 @@ def build_rule(name: str, opts, n_peers: int):
 
         return ClusteredRule(n_peers, opts.tol1, opts.tol2)
     raise GossipError(f"unknown rule.name {name!r}; known: {', '.join(RULE_NAMES)}")
-
-
-def client_part(rule):
-    """The client side a rule needs beyond plain local steps (None for most)."""
-    return ScaffoldClient() if isinstance(rule, Scaffold) else None

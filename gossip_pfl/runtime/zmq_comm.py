@@ -311,7 +311,11 @@ class ZmqComm:
             more = self._pull.getsockopt(zmq.RCVMORE)
 
     def _drop(self, what: str, key, msg: _Msg, why: str) -> None:
+        """Drop a message whose payload is still on the socket: read it off, count, log."""
         self._drain(True)
+        self._count_drop(what, key, msg, why)
+
+    def _count_drop(self, what: str, key, msg: _Msg, why: str) -> None:
         self.stats[what] += 1
         log.warning(
             "rank %d: dropped a message from rank %d for %s: %s",
@@ -407,15 +411,8 @@ class ZmqComm:
         why = "not expected" if into is None else self._fits(msg, into)
         if why is None and len(msg.data.buffer) != into.numel() * into.element_size():
             why = "payload size does not match its header"
-        if why:
-            self.stats["unexpected" if into is None else "bad"] += 1
-            log.warning(
-                "rank %d: dropped a message from rank %d for %s: %s",
-                self.rank,
-                msg.sender,
-                self._what(key),
-                why,
-            )
+        if why:  # its payload was read with it when it was queued
+            self._count_drop("unexpected" if into is None else "bad", key, msg, why)
             return
         src = torch.frombuffer(msg.data.buffer, dtype=into.dtype) if into.numel() else into
         into.copy_(src.view(into.shape))
