@@ -75,12 +75,12 @@ def cmd_run(args: argparse.Namespace) -> int:
             print("gossip-pfl: interrupted" + (hint if saved else " (no checkpoint was saved)"))
         return 130
     if _is_rank0():
-        from gossip_pfl.plots import load_run, write_plots
+        from gossip_pfl.algorithms import get_algorithm
+        from gossip_pfl.train import workload_class
 
-        plots = write_plots([load_run(cfg.out)], Path(cfg.out) / "plots")
-        keys = ("test_accuracy", "test_accuracy_p10", "train_accuracy", "rounds", "wall_seconds")
-        optional = ("unseen_test_accuracy", "cluster_recovery", "mixture_weights")
-        keys += tuple(k for k in optional if k in summary)
+        workload = workload_class(get_algorithm(cfg.algorithm.name).workload)
+        plots = workload.write_plots(Path(cfg.out))
+        keys = tuple(k for k in workload.summary_keys if k in summary)
         width = max(map(len, keys))
         print(f"results ({cfg.algorithm.name}, written to {Path(cfg.out) / 'summary.json'}):")
         for k in keys:
@@ -88,7 +88,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             if isinstance(v, list):
                 v = " ".join(f"{w:.3f}" for w in v)
             print(f"  {k:<{width}}  {v:.4f}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
-        print(f"plots: {plots[0].parent}/ ({', '.join(p.name for p in plots)})")
+        if plots:
+            print(f"plots: {plots[0].parent}/ ({', '.join(p.name for p in plots)})")
     return 0
 
 

@@ -1,4 +1,5 @@
-"""One run: build the pieces from the config, then a thin round loop.
+"""The model workload: build the pieces from the config, then the shared round loop
+(gossip_pfl.loop):
 
     for t in rounds:  sample(t) -> local_work(t) -> communicate(t) -> log -> checkpoint
 
@@ -14,21 +15,19 @@ draw is seeded per peer (data order, initialization) or per round (schedule), ne
 
 from __future__ import annotations
 
-import json
-import time
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from gossip_pfl import checkpoint, rundir
+from gossip_pfl import checkpoint
 from gossip_pfl.algorithms import AlgorithmSpec, build_solver, build_surrogate, get_algorithm
 from gossip_pfl.algorithms.losses import num_outputs, sample_loss
 from gossip_pfl.algorithms.mixture import fit_mixture_weights
 from gossip_pfl.algorithms.rules import Inbox, build_rule
 from gossip_pfl.config import RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
+from gossip_pfl.loop import RoundLoop
 from gossip_pfl.metrics import recovery_entry
 from gossip_pfl.models import build_model
 from gossip_pfl.runtime.comm import init_comm, set_cuda_numerics
@@ -101,8 +100,18 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
     return schedule
 
 
-class Trainer:
+class Trainer(RoundLoop):
     """Everything one rank holds for a run, and the round loop."""
+
+    summary_keys = ("test_accuracy", "test_accuracy_p10", "train_accuracy", "rounds",
+                    "wall_seconds", "unseen_test_accuracy", "cluster_recovery",
+                    "mixture_weights")  # fmt: skip
+
+    @staticmethod
+    def write_plots(run_dir: Path) -> list[Path]:
+        from gossip_pfl.plots import load_run, write_plots
+
+        return write_plots([load_run(run_dir)], Path(run_dir) / "plots")
 
     def __init__(self, cfg: RunConfig, dataset=None, comm=None, log=print):
         self.cfg, self.log = cfg, log
@@ -552,13 +561,6 @@ class Trainer:
         nll, acc = self.scores(split, theta, personal)
         return tuple(self.gather([nll, acc, split.counts], self.peers, self.n_peers))
 
-    def _clock(self) -> float:
-        """perf_counter once the device has finished its queued work: CUDA kernels and NCCL
-        transfers run asynchronously, and would otherwise be charged to the next phase."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     def _check_finite(self, t: int, theta: torch.Tensor) -> None:
         bad = (~torch.isfinite(theta.view(theta.shape[0], -1))).any(-1)
         first = int(self.peers[bad.nonzero()[0, 0].item()]) + 1 if bad.any() else 0
@@ -570,82 +572,6 @@ class Trainer:
                 f"{first - 1 if first else '?'} on rank {self.comm.rank}) became NaN/inf; "
                 f"lower algorithm.lr (now {self.cfg.algorithm.lr})"
             )
-
-    # ---- the loop -------------------------------------------------------------------------
-    def run(self, resume: bool = False) -> dict:
-        cfg = self.cfg
-        out = Path(cfg.out)
-        is_main = self.comm.rank == 0
-        first, rows = 0, []
-        if resume:
-            first, rows = self.restore(out)
-        if is_main:
-            rundir.write(out, lambda p: p.mkdir(parents=True, exist_ok=True))
-            config_text = rundir.dump_yaml(to_dict(cfg))
-            rundir.write(out / "config.yaml", lambda p: p.write_text(config_text))
-            # rows past the checkpoint are recomputed: keep the file consistent with the state
-            rundir.write(out / "metrics.jsonl", lambda p: rundir.write_rows(p, rows))
-            self.log(self.describe() + (f"; resumed after round {first}" if resume else ""))
-        start = time.perf_counter() - self.times.get("wall", 0.0)
-        progress = rundir.Progress(cfg.rounds, first, enabled=is_main, log=self.log)
-        write_error = None
-        with rundir.StopSignals() as signals:
-            for t in range(first, cfg.rounds):
-                self.round = t
-                t0 = time.perf_counter()
-                active = self.sample(t)  # who takes part
-                self.local_work(t, active)  # client update: E-step, local steps, outbox
-                t1 = self._clock()
-                self.communicate(t, active)  # deliver; the hub's or each peer's rule
-                t2 = self._clock()
-                self.times["local"] += t1 - t0
-                self.times["exchange"] += t2 - t1
-                last = t == cfg.rounds - 1
-                if (t + 1) % cfg.eval.every == 0 or last:  # log
-                    row = self.metrics_row(t)
-                    rows.append(row)
-                    if is_main:
-                        try:  # a failed write stops every rank after this round (_agreed)
-                            rundir.write(out / "metrics.jsonl", partial(rundir.append_row, row=row))
-                        except GossipError as err:
-                            write_error = err
-                    progress.report(t, row)
-                progress.tick()
-                # SIGTERM / SIGINT on any rank, or rank 0 could not write
-                stop = self._agreed(signals.received, write_error)
-                every = cfg.checkpoint_every
-                if (every and (t + 1) % every == 0) or last or stop:  # checkpoint
-                    self.times["wall"] = time.perf_counter() - start
-                    self.checkpoint(out, t + 1, rows)
-                if stop and not last:
-                    progress.close()
-                    raise rundir.RunStopped(stop, t + 1, out)
-        progress.close()
-        summary = self.summary(rows[-1], time.perf_counter() - start)
-        if is_main:
-            rundir.write(
-                out / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n")
-            )
-        return summary
-
-    def _agreed(self, signum: int, write_error: GossipError | None = None) -> int:
-        """The signal any rank received this round (0: none), the same on every rank, so that
-        all of them write the checkpoint and stop after the same round; a write that failed on
-        rank 0 ends every rank with a one-line error (not a lost peer on the others)."""
-        if self.comm.world_size == 1:
-            if write_error is not None:
-                raise write_error
-            return signum
-        got = [signum == s for s in rundir.StopSignals.SIGNALS] + [write_error is not None]
-        flags = torch.tensor(got, dtype=torch.float64, device=self.device)
-        got = self.comm.all_reduce_sum(flags).cpu().tolist()
-        if got[-1]:
-            raise write_error or GossipError(
-                f"rank {self.comm.rank}: stopping: rank 0 could not write the run's output "
-                "(its own message names the file)"
-            )
-        signals = rundir.StopSignals.SIGNALS  # SIGTERM wins over SIGINT
-        return next((int(s) for s, n in zip(signals[::-1], got[:-1][::-1]) if n), 0)
 
     # ---- checkpoints ----------------------------------------------------------------------
     def rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -843,15 +769,28 @@ def _weighted(values: np.ndarray, counts: np.ndarray) -> float:
     return float((values * counts).sum() / max(counts.sum(), 1))
 
 
+#: workload name (AlgorithmSpec.workload) -> "module:class", imported when a run uses it
+WORKLOADS: dict[str, str] = {"model": "gossip_pfl.train:Trainer"}
+
+
+def workload_class(name: str) -> type[RoundLoop]:
+    """The RoundLoop subclass that runs algorithms of workload ``name``."""
+    from importlib import import_module
+
+    module, cls = WORKLOADS[name].split(":")
+    return getattr(import_module(module), cls)
+
+
 def run(cfg: RunConfig, dataset=None, comm=None, log=print, resume: bool = False) -> dict:
-    """Build a trainer, run it (or resume it from cfg.out) and always tear the process group
-    down, also when building the trainer fails."""
+    """Build the algorithm's workload, run it (or resume it from cfg.out) and always tear the
+    process group down, also when building the workload fails."""
     rt = cfg.runtime
+    cls = workload_class(get_algorithm(cfg.algorithm.name).workload)
     comm = comm or init_comm(rt.device, rt.backend, rt.timeout_s)
-    try:  # a config error found while building the trainer must not leave the group alive
-        return Trainer(cfg, dataset, comm, log).run(resume=resume)
+    try:  # a config error found while building the workload must not leave the group alive
+        return cls(cfg, dataset, comm, log).run(resume=resume)
     finally:
         comm.close()  # a no-op for one process
 
 
-__all__ = ["Trainer", "run", "build_schedule"]
+__all__ = ["Trainer", "run", "build_schedule", "WORKLOADS", "workload_class"]

@@ -25,6 +25,8 @@ class AlgorithmSpec:
     finetune_epochs: int = 0  #: default of eval.finetune_epochs (FedAvg+: 1)
     solver: str = "sgd"  #: local solver: sgd | armijo (FedLi-LS's line search)
     summary: str = ""
+    #: the RoundLoop that runs it (gossip_pfl.train.WORKLOADS): "model" trains networks
+    workload: str = "model"
 
 
 def _server(rule: str, summary: str, **kw) -> AlgorithmSpec:

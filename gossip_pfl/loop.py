@@ -1,0 +1,147 @@
+"""The round loop every workload shares, as a screen of named steps:
+
+    for t in rounds:  sample(t) -> local_work(t) -> communicate(t) -> log -> checkpoint
+
+A workload (the model trainer in gossip_pfl.train, EM in statistics space in
+gossip_pfl.expfam, ...) subclasses :class:`RoundLoop` and provides the steps; the loop owns
+what every run needs the same way: the run folder, metrics rows, progress, signals (finish the
+round, checkpoint, stop), checkpoints every ``checkpoint_every`` rounds, and resuming.
+
+A workload has ``cfg``, ``comm``, ``device``, ``log``, ``times`` (a dict) and ``round``, and
+implements ``sample``, ``local_work``, ``communicate``, ``metrics_row``, ``checkpoint``,
+``restore``, ``summary`` and ``describe``.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gossip_pfl import rundir
+from gossip_pfl.config import to_dict
+from gossip_pfl.errors import GossipError
+
+
+class RoundLoop:
+    """The loop; subclasses provide the named steps (see the module docstring)."""
+
+    #: the summary keys ``gossip-pfl run`` prints (those present)
+    summary_keys: tuple[str, ...] = ("rounds", "wall_seconds")
+
+    @staticmethod
+    def write_plots(run_dir: Path) -> list[Path]:
+        """Figures of a finished run in ``run_dir/plots`` (the CLI calls it on rank 0)."""
+        return []
+
+    def sample(self, t: int) -> np.ndarray:
+        """This round's participants (n,) bool, the same on every rank."""
+        raise NotImplementedError
+
+    def local_work(self, t: int, active: np.ndarray | None = None) -> None:
+        raise NotImplementedError
+
+    def communicate(self, t: int, active: np.ndarray | None = None) -> None:
+        raise NotImplementedError
+
+    def metrics_row(self, t: int) -> dict:
+        raise NotImplementedError
+
+    def checkpoint(self, out: Path, rounds_done: int, rows: list) -> None:
+        raise NotImplementedError
+
+    def restore(self, out: Path) -> tuple[int, list]:
+        raise NotImplementedError
+
+    def summary(self, last: dict, wall: float) -> dict:
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def _clock(self) -> float:
+        """perf_counter once the device has finished its queued work: CUDA kernels and NCCL
+        transfers run asynchronously, and would otherwise be charged to the next phase."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+    # ---- the loop -------------------------------------------------------------------------
+    def run(self, resume: bool = False) -> dict:
+        cfg = self.cfg
+        out = Path(cfg.out)
+        is_main = self.comm.rank == 0
+        first, rows = 0, []
+        if resume:
+            first, rows = self.restore(out)
+        if is_main:
+            rundir.write(out, lambda p: p.mkdir(parents=True, exist_ok=True))
+            config_text = rundir.dump_yaml(to_dict(cfg))
+            rundir.write(out / "config.yaml", lambda p: p.write_text(config_text))
+            # rows past the checkpoint are recomputed: keep the file consistent with the state
+            rundir.write(out / "metrics.jsonl", lambda p: rundir.write_rows(p, rows))
+            self.log(self.describe() + (f"; resumed after round {first}" if resume else ""))
+        start = time.perf_counter() - self.times.get("wall", 0.0)
+        progress = rundir.Progress(cfg.rounds, first, enabled=is_main, log=self.log)
+        write_error = None
+        with rundir.StopSignals() as signals:
+            for t in range(first, cfg.rounds):
+                self.round = t
+                t0 = time.perf_counter()
+                active = self.sample(t)  # who takes part
+                self.local_work(t, active)  # client update: E-step, local steps, outbox
+                t1 = self._clock()
+                self.communicate(t, active)  # deliver; the hub's or each peer's rule
+                t2 = self._clock()
+                self.times["local"] += t1 - t0
+                self.times["exchange"] += t2 - t1
+                last = t == cfg.rounds - 1
+                if (t + 1) % cfg.eval.every == 0 or last:  # log
+                    row = self.metrics_row(t)
+                    rows.append(row)
+                    if is_main:
+                        try:  # a failed write stops every rank after this round (_agreed)
+                            rundir.write(out / "metrics.jsonl", partial(rundir.append_row, row=row))
+                        except GossipError as err:
+                            write_error = err
+                    progress.report(t, row)
+                progress.tick()
+                # SIGTERM / SIGINT on any rank, or rank 0 could not write
+                stop = self._agreed(signals.received, write_error)
+                every = cfg.checkpoint_every
+                if (every and (t + 1) % every == 0) or last or stop:  # checkpoint
+                    self.times["wall"] = time.perf_counter() - start
+                    self.checkpoint(out, t + 1, rows)
+                if stop and not last:
+                    progress.close()
+                    raise rundir.RunStopped(stop, t + 1, out)
+        progress.close()
+        summary = self.summary(rows[-1], time.perf_counter() - start)
+        if is_main:
+            rundir.write(
+                out / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n")
+            )
+        return summary
+
+    def _agreed(self, signum: int, write_error: GossipError | None = None) -> int:
+        """The signal any rank received this round (0: none), the same on every rank, so that
+        all of them write the checkpoint and stop after the same round; a write that failed on
+        rank 0 ends every rank with a one-line error (not a lost peer on the others)."""
+        if self.comm.world_size == 1:
+            if write_error is not None:
+                raise write_error
+            return signum
+        got = [signum == s for s in rundir.StopSignals.SIGNALS] + [write_error is not None]
+        flags = torch.tensor(got, dtype=torch.float64, device=self.device)
+        got = self.comm.all_reduce_sum(flags).cpu().tolist()
+        if got[-1]:
+            raise write_error or GossipError(
+                f"rank {self.comm.rank}: stopping: rank 0 could not write the run's output "
+                "(its own message names the file)"
+            )
+        signals = rundir.StopSignals.SIGNALS  # SIGTERM wins over SIGINT
+        return next((int(s) for s, n in zip(signals[::-1], got[:-1][::-1]) if n), 0)
