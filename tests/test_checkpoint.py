@@ -50,13 +50,13 @@ def run_until(cfg, stop_after: int | None):
         trainer.run()
     except Stop:
         return None
-    return trainer.shared_parameters(), trainer.personal["pi"].numpy()
+    return trainer.shared_parameters(), trainer.personal["pi"].cpu().numpy()
 
 
 def resume(cfg):
     trainer = Trainer(cfg, dataset=toy_dataset(8), log=lambda *a: None)
     trainer.run(resume=True)
-    theta, pi = trainer.shared_parameters(), trainer.personal["pi"].numpy()
+    theta, pi = trainer.shared_parameters(), trainer.personal["pi"].cpu().numpy()
     return {int(p): (theta[i], pi[i]) for i, p in enumerate(trainer.peers)}
 
 

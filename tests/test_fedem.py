@@ -67,8 +67,12 @@ def test_one_client_full_batch_equals_direct_em(eps, tmp_path):
             th = theta.clone().requires_grad_(True)
             (g,) = torch.autograd.grad((w * losses(th)).sum() / n, th)
             theta = theta - cfg.algorithm.lr * g
-    np.testing.assert_allclose(trainer.shared_parameters()[0], theta.numpy(), rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(trainer.personal["pi"][0].numpy(), pi.numpy(), rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(
+        trainer.shared_parameters()[0], theta.cpu().numpy(), rtol=1e-4, atol=1e-5
+    )
+    np.testing.assert_allclose(
+        trainer.personal["pi"][0].cpu().numpy(), pi.cpu().numpy(), rtol=1e-4, atol=1e-6
+    )
 
 
 def equal_size_dataset(n=6, m=40, dim=5, seed=1):
@@ -125,12 +129,12 @@ def test_gossip_client_weighting_mixes_with_the_size_weighted_matrix(tmp_path):
     trainer = Trainer(cfg, dataset=toy_dataset(8), log=quiet)
     gen = torch.Generator().manual_seed(0)
     trainer.nodes.copy_(torch.randn(trainer.nodes.shape, generator=gen))
-    theta = trainer.nodes.double().numpy().reshape(8, -1)
+    theta = trainer.nodes.double().cpu().numpy().reshape(8, -1)
     W, n = trainer.schedule.matrix(0), trainer.sizes.astype(np.float64)
     want = (W * n[None, :]) @ theta / (W @ n)[:, None]
     for t in range(2):
         trainer.communicate(t)
-        got = trainer.nodes.double().numpy().reshape(8, -1)
+        got = trainer.nodes.double().cpu().numpy().reshape(8, -1)
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
         want = (W * n[None, :]) @ want / (W @ n)[:, None]
 
@@ -220,7 +224,7 @@ def test_clustered_fl_bipartition_and_phase():
     rule = ClusteredRule(4, tol1=0.5, tol2=1.0)
     updates = np.array([[2.0, 0], [1.9, 0.1], [-2.0, 0], [-2.1, 0.1]])  # mean ~0, norms ~2
     state = rule.split(rule.init(), updates)
-    labels = state["labels"].numpy()
+    labels = state["labels"].cpu().numpy()
     assert labels[0] == labels[1] != labels[2] == labels[3]
     w = rule.phase(state, np.array([1.0, 3.0, 1.0, 1.0])).dense()
     np.testing.assert_allclose(w[0], [0.25, 0.75, 0, 0])
@@ -234,7 +238,7 @@ def test_mixture_usage_in_metrics(tmp_path):
 
     trainer = Trainer(cfg_for(tmp_path, pi_init="random"), toy_dataset(6), log=quiet)
     summary = trainer.run()
-    pi = trainer.personal["pi"].numpy()
+    pi = trainer.personal["pi"].cpu().numpy()
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
     np.testing.assert_allclose(row["mixture_weights"], pi.mean(0), atol=1e-5)
     assert row["mixture_leaders"] == np.bincount(pi.argmax(1), minlength=3).tolist()

@@ -111,9 +111,9 @@ def test_fedem_clients_not_sampled_keep_parameters_and_pi(tmp_path):
         pi0 = trainer.personal["pi"].clone()
         mom0 = trainer.opt_state.momentum.clone()
         trainer.local_work(t, active)
-        moved = (trainer.nodes[:8] != theta0).flatten(1).any(1).numpy()
-        pi_moved = (trainer.personal["pi"] != pi0).any(1).numpy()
-        mom_moved = (trainer.opt_state.momentum != mom0).flatten(1).any(1).numpy()
+        moved = (trainer.nodes[:8] != theta0).flatten(1).any(1).cpu().numpy()
+        pi_moved = (trainer.personal["pi"] != pi0).any(1).cpu().numpy()
+        mom_moved = (trainer.opt_state.momentum != mom0).flatten(1).any(1).cpu().numpy()
         np.testing.assert_array_equal(moved, active)
         np.testing.assert_array_equal(pi_moved, active)
         np.testing.assert_array_equal(mom_moved, active)
@@ -136,7 +136,7 @@ def test_dfedem_sitting_out_peer_unchanged_by_communicate(tmp_path):
         assert torch.equal(trainer.nodes[~active], start[~active])  # the whole round
         assert torch.equal(after_work[~active], start[~active])
         # a participant with a participating ring neighbour does mix
-        mixed = (trainer.nodes != after_work).flatten(1).any(1).numpy()
+        mixed = (trainer.nodes != after_work).flatten(1).any(1).cpu().numpy()
         for i in np.flatnonzero(active):
             assert mixed[i] == (active[(i - 1) % 8] or active[(i + 1) % 8]), (t, i)
 

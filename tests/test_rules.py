@@ -294,8 +294,8 @@ def test_adaptive_server_updates_on_hand_tensors(kind):
     for delta in deltas:
         mean = theta + torch.tensor(delta, dtype=torch.float64).view(1, 1, 4)
         theta, state = rule.update(Inbox({"theta": mean}), state, theta)
-    np.testing.assert_allclose(theta.flatten().numpy(), want_x, rtol=1e-12, atol=1e-14)
-    np.testing.assert_allclose(state["v"].flatten().numpy(), want_v, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(theta.flatten().cpu().numpy(), want_x, rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(state["v"].flatten().cpu().numpy(), want_v, rtol=1e-12, atol=1e-14)
     if kind == "yogi":  # Yogi is not Adam here: some v fell below Adam's
         adam_x, _ = _hand_opt("adam", lr, b1, b2, tau, deltas, x0)
         assert not np.allclose(want_x, adam_x)
@@ -341,7 +341,7 @@ def test_scaffold_hub_control_is_weighted_mean_of_clients(participation, aggrega
         trainer.communicate(t, active)
         c_i = trainer.client_state["c_i"].double()
         # only participants change their c_i
-        changed = (c_i != before.double()).flatten(1).any(1).numpy()
+        changed = (c_i != before.double()).flatten(1).any(1).cpu().numpy()
         np.testing.assert_array_equal(changed, active)
         c = trainer.rule_state["control"][0].double()
         torch.testing.assert_close(c, torch.einsum("l,lmp->mp", w, c_i), rtol=1e-5, atol=1e-6)
@@ -458,12 +458,16 @@ def test_rule_state_round_trips_a_checkpoint(name, tmp_path):
     got = resumed.run(resume=True)
     for key in ("test_accuracy", "train_loss", "train_accuracy"):
         assert got[key] == pytest.approx(want[key], abs=1e-6), key
-    np.testing.assert_array_equal(resumed.nodes.numpy(), full.nodes.numpy())
+    np.testing.assert_array_equal(resumed.nodes.cpu().numpy(), full.nodes.cpu().numpy())
     assert resumed.rule_state.keys() == full.rule_state.keys()
     for k, v in full.rule_state.items():
-        np.testing.assert_array_equal(resumed.rule_state[k].numpy(), v.numpy(), err_msg=k)
+        np.testing.assert_array_equal(
+            resumed.rule_state[k].cpu().numpy(), v.cpu().numpy(), err_msg=k
+        )
     for k, v in full.client_state.items():
-        np.testing.assert_array_equal(resumed.client_state[k].numpy(), v.numpy(), err_msg=k)
+        np.testing.assert_array_equal(
+            resumed.client_state[k].cpu().numpy(), v.cpu().numpy(), err_msg=k
+        )
     assert resumed.kind_bytes == full.kind_bytes
 
 

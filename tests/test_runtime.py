@@ -399,7 +399,7 @@ def test_call_sizes_come_from_the_model_hint_unless_configured(tmp_path):
     set_by_hand = trainer("cnn", images, runtime__step_chunk=64, eval__chunk=100)
     assert (set_by_hand.step_chunk, set_by_hand.eval_chunk) == (64, 100)
     linear = trainer("linear", toy_dataset(3))
-    assert (linear.step_chunk, linear.eval_chunk) == (0, 16384)
+    assert (linear.step_chunk, linear.eval_chunk) == (0, 1 << 20)  # closed form
     assert linear.peer_pieces(300, 128) == [slice(0, 300)]
 
 
@@ -420,7 +420,7 @@ def test_evaluation_chunks_cover_each_real_sample_once(budget):
         assert (split.counts[rows] > sl.start).all()  # no padding-only peer
         torch.testing.assert_close(x[:, 0, 0], rows.float())  # rows are the right peers
         for r, m in zip(rows.tolist(), mask):
-            seen[r, sl][m.numpy() > 0] += 1
+            seen[r, sl][m.cpu().numpy() > 0] += 1
     expected = (np.arange(max(sizes))[None, :] < np.array(sizes)[:, None]).astype(int)
     np.testing.assert_array_equal(seen, expected)
 

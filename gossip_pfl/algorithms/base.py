@@ -72,6 +72,10 @@ def weighted_loss_grad(ctx: Context, theta: torch.Tensor, x, y, sw, batch_size: 
     a big convolutional step then keeps its activations near the cache instead of streaming
     hundreds of MB through memory. Each piece is its own autograd leaf (a slice of one leaf
     would cost a full-size gradient per piece)."""
+    fwd = ctx.forward
+    if getattr(fwd, "closed_form", False):  # the linear model: no autograd graph at all
+        need = getattr(ctx, "track_loss", True) or getattr(ctx, "line_search", True)
+        return fwd.loss_grad(theta, x, y, sw, ctx.task, batch_size, need_loss=need)
     grads, losses = [], []
     for sl in ctx.peer_pieces(theta.shape[0], x.shape[1]):
         theta_g = theta[sl].detach().requires_grad_(True)

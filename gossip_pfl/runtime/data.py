@@ -53,6 +53,12 @@ class PaddedSplit:
         ar = torch.arange(self.y.shape[1], device=self.y.device)
         return (ar[None, :] < self.counts[:, None]).to(torch.float32)
 
+    def take_flat(self, flat: torch.Tensor, shape: tuple[int, int]):
+        """Samples at ``flat`` positions of the (peer, sample) axis (a :class:`Step`'s):
+        inputs (*shape, *in), labels ``shape``; one index_select each."""
+        x = self.x.flatten(0, 1).index_select(0, flat).view(*shape, *self.x.shape[2:])
+        return x, self.y.flatten().index_select(0, flat).view(shape)
+
     def take(self, rows: torch.Tensor, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Samples ``idx`` (A, B) of peers ``rows`` (A,): inputs (A, B, *in), labels (A, B).
         One index_select over the flattened (peer, sample) axis: several times faster than
@@ -62,21 +68,186 @@ class PaddedSplit:
         x = self.x.flatten(0, 1).index_select(0, flat).view(*idx.shape, *self.x.shape[2:])
         return x, self.y.flatten().index_select(0, flat).view(idx.shape)
 
-    def chunks(self, budget: int):
-        """Yield (rows, sample slice, x, y, mask) pieces that cover every real sample once,
-        each holding at most about ``budget`` samples over all its peers (memory stays flat).
-        Peers with no sample in a piece's positions are left out: client sizes are skewed,
-        and forwarding padding would cost several times the real work."""
+    @cached_property
+    def host_counts(self) -> np.ndarray:
+        """The counts on the host (planning chunks must not wait on the device)."""
+        return self.counts.cpu().numpy()
+
+    def chunk_plan(self, budget: int) -> list[tuple[torch.Tensor, torch.Tensor | slice, slice]]:
+        """(rows, how to index them, sample slice) pieces that cover every real sample once,
+        each holding at most about ``budget`` samples over all its peers; planned once per
+        budget (counts never change). A piece starts where the previous one ended and ends
+        where half of its peers have run out of samples (at least 32 positions wide, when the
+        budget allows): client sizes are skewed, so padding costs at most about as much as the
+        real work, in a few pieces (a handful of kernels each) rather than one per 32
+        positions. A piece holding every peer indexes them with a slice, so its inputs are
+        views, not copies (the synthetic test split is 900 MB: copying it cost more than the
+        products)."""
+        plans = self.__dict__.setdefault("_plans", {})
+        if budget in plans:
+            return plans[budget]
+        counts, L = self.host_counts, len(self.host_counts)
         n_max = self.y.shape[1]
-        # Wide enough that a call is not all overhead (32 samples per peer when the budget
-        # allows), narrow enough that all the rank's peers share a call when it allows.
-        width = min(n_max, max(1, budget // max(1, len(self.counts)), min(budget, 32)))
+        plan, start = [], 0
+        while start < n_max:
+            active = np.flatnonzero(counts > start)
+            if len(active) == 0:
+                break
+            half = int(np.sort(counts[active])[(len(active) - 1) // 2])  # median peer's end
+            cap = max(1, budget // len(active))  # all of them in one call
+            width = max(min(half - start, cap), min(32, budget, n_max - start), 1)
+            sl = slice(start, min(start + width, n_max))
+            rows = torch.as_tensor(active, device=self.y.device)
+            if len(active) == L and cap >= width:
+                plan.append((rows, slice(None), sl))
+            else:
+                plan.extend((r, r, sl) for r in rows.split(max(1, budget // width)))
+            start = sl.stop
+        plans[budget] = plan
+        return plan
+
+    @cached_property
+    def host_y(self) -> np.ndarray:
+        """The labels on the host (the fused linear plan gathers them there)."""
+        return self.y.cpu().numpy()
+
+    @cached_property
+    def offsets(self) -> np.ndarray:
+        """(L,) position of each peer's first sample in :attr:`augmented` (peer-major)."""
+        return np.concatenate([[0], np.cumsum(self.host_counts)[:-1]]).astype(np.int64)
+
+    @cached_property
+    def augmented(self) -> torch.Tensor:
+        """(real samples, features + 1): the real samples only (no padding), flattened, with a
+        column of ones appended, peer-major (see :attr:`offsets`). A linear model's [W, b]
+        row times it is the logit, and the gradient's outer product gives dW and db in one
+        batched product. Built once (about the size of the real training inputs)."""
+        keep = self.mask.flatten().bool()
+        x = self.x.flatten(0, 1)[keep].flatten(1)
+        return torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], 1)
+
+    def linear_pieces(self, budget: int, components: int) -> list[tuple]:
+        """:meth:`chunk_plan`'s pieces for the closed-form linear loss, cached: (rows or None
+        for every peer, sample slice, inputs^T (A, in, width) (a view when the piece holds
+        every peer, else None: gathered per call), float targets (A, M, width) (a view))."""
+        key = ("_linear", budget, components)
+        if key in self.__dict__:
+            return self.__dict__[key]
+        yf = self.y.to(self.x.dtype)
+        pieces = []
+        for rows, at, sl in self.chunk_plan(budget):
+            full = isinstance(at, slice)
+            xt = self.x[:, sl].flatten(2).transpose(1, 2) if full else None
+            tgt = yf[at, sl][:, None, :].expand(-1, components, -1)
+            pieces.append((None if full else rows, sl, xt, tgt))
+        self.__dict__[key] = pieces
+        return pieces
+
+    def chunks(self, budget: int):
+        """Yield (rows, sample slice, x, y, mask) pieces of :meth:`chunk_plan`."""
         mask = self.mask
-        for start in range(0, n_max, width):
-            active = (self.counts > start).nonzero()[:, 0]
-            sl = slice(start, start + width)
-            for rows in active.split(max(1, budget // width)):
-                yield rows, sl, self.x[rows, sl], self.y[rows, sl], mask[rows, sl]
+        for rows, at, sl in self.chunk_plan(budget):
+            yield rows, sl, self.x[at, sl], self.y[at, sl], mask[at, sl]
+
+
+@dataclass
+class Step:
+    """One local step of a round's plan: the peers ``rows`` (A,) still in their epoch
+    (``sel``: a slice when that is all of them, so their state is a view), the flat
+    (peer, sample) positions of their batch (A * width,) and its weights (A, width)."""
+
+    rows: torch.Tensor
+    sel: torch.Tensor | slice
+    flat: torch.Tensor
+    weight: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape)
+
+
+def step_plan(idx: np.ndarray, weight: np.ndarray, n_max: int, device) -> list[Step]:
+    """A round's :func:`round_batches` plan as device tensors, uploaded at once.
+
+    Only the peers still in their epoch take part in a step (small peers finish early), and
+    its batch is cut to the longest real one: padding is front-to-back, and costs. All of it
+    is worked out on the host and uploaded in three copies per round, then split into
+    per-step views: a per-step nonzero() or upload would stop the host at every step on a
+    GPU, and every step would pay a dozen small operations for it."""
+    filled = weight.sum(-1)  # (S, L) real samples of each peer's batch at step s
+    L = idx.shape[1]
+    rows, flat, wts, sizes = [], [], [], []
+    for s in range(idx.shape[0]):
+        r = np.flatnonzero(filled[s] > 0)
+        if len(r) == 0:
+            continue
+        width = int(filled[s].max())
+        rows.append(r)
+        flat.append((r[:, None] * n_max + idx[s, r, :width]).reshape(-1))
+        wts.append(weight[s, r, :width].reshape(-1))
+        sizes.append((len(r), width))
+    if not sizes:
+        return []
+    up = lambda parts, dtype: torch.as_tensor(np.concatenate(parts), dtype=dtype, device=device)  # noqa: E731
+    rows_d = up(rows, torch.long).split([a for a, _ in sizes])
+    flat_d = up(flat, torch.long).split([a * w for a, w in sizes])
+    wts_d = up(wts, torch.float32).split([a * w for a, w in sizes])
+    return [
+        Step(r, slice(None) if a == L else r, f, w.view(a, width))
+        for r, f, w, (a, width) in zip(rows_d, flat_d, wts_d, sizes)
+    ]
+
+
+@dataclass
+class LinearRound:
+    """A round's plan for the fused closed-form linear SGD steps (see
+    :meth:`gossip_pfl.runtime.stack.BatchedForward.linear_sgd_round`): per step, the peers
+    (None: all of them), positions (A, B) in :attr:`PaddedSplit.augmented`, the per-sample
+    coefficient -step * q * weight / B (A, M | 1, B) and -y times it. Every step is cut to the
+    full batch width B (a short last batch is padded with weight 0), so each step's tensors
+    are pieces of one split, not views made per step."""
+
+    rows: list
+    pos: tuple
+    coef: tuple
+    ycoef: tuple
+
+
+def linear_round(
+    idx: np.ndarray, weight: np.ndarray, split: PaddedSplit, neg_step: np.ndarray,
+    batch_size: int, q: torch.Tensor | None,
+) -> LinearRound:  # fmt: skip
+    """Build a :class:`LinearRound` on the host from :func:`round_batches`' plan; five uploads
+    and a handful of operations for the whole round. ``neg_step`` (L,) float32 is each peer's
+    -lr * factor * lr_scale; ``q`` (L, M, N) the responsibilities (None: weight 1)."""
+    filled = weight.sum(-1)  # (S, L)
+    L = idx.shape[1]
+    n_max = split.y.shape[1]
+    rows, sizes = [], []
+    for s in range(idx.shape[0]):
+        r = np.flatnonzero(filled[s] > 0)
+        if len(r):
+            rows.append((s, r))
+            sizes.append(len(r))
+    if not rows:
+        return LinearRound([], (), (), ())
+    r_all = np.concatenate([r for _, r in rows])
+    ix = np.concatenate([idx[s, r] for s, r in rows])  # (sum A, B)
+    wt = np.concatenate([weight[s, r] for s, r in rows])  # (sum A, B)
+    pos = split.offsets[r_all][:, None] + ix
+    with np.errstate(invalid="ignore", over="ignore"):  # a NaN lr: the finite check names it
+        wc = (wt * np.float32(1.0 / batch_size)) * neg_step[r_all][:, None]  # (sum A, B) f32
+    ny = -split.host_y[r_all[:, None], ix].astype(np.float32)
+    dev = split.y.device
+    up = lambda a: torch.as_tensor(a, device=dev)  # noqa: E731
+    coef = up(wc[:, None, :])
+    if q is not None:  # q[peer, m, sample]: one take over the flattened (L, M, N) tensor
+        M = q.shape[1]
+        qpos = (r_all * (M * n_max))[:, None, None] + (np.arange(M) * n_max)[None, :, None]
+        coef = q.take(up(qpos + ix[:, None, :])).mul_(coef)
+    ycoef = up(ny[:, None, :]) * coef
+    row_list = [None if a == L else r for a, r in zip(sizes, up(r_all).split(sizes))]
+    return LinearRound(row_list, up(pos).split(sizes), coef.split(sizes), ycoef.split(sizes))
 
 
 def round_batches(

@@ -46,6 +46,12 @@ class LocalSGD:
     def begin_round(self, state: SGDState) -> None:
         pass
 
+    @property
+    def plain(self) -> bool:
+        """A step is theta -= lr g alone (no momentum, decay or proximal term): the trainer
+        then applies it as one fused update per step instead of calling :meth:`step`."""
+        return type(self) is LocalSGD and not (self.momentum or self.weight_decay or self.prox_mu)
+
     def direction(self, theta, grad, rows, anchor=None, correction=None) -> torch.Tensor:
         """The gradient with weight decay, the proximal term and a control-variate correction
         (SCAFFOLD's c - c_i) added."""

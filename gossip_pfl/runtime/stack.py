@@ -11,10 +11,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
 from gossip_pfl.errors import GossipError
+from gossip_pfl.models import Linear
 
 
 class ParamLayout:
@@ -59,10 +61,19 @@ class BatchedForward:
     per-component loop.
     """
 
-    def __init__(self, model: nn.Module, layout: ParamLayout, batching: str = "auto"):
+    def __init__(
+        self, model: nn.Module, layout: ParamLayout, batching: str = "auto",
+        precision: str = "float32",
+    ):  # fmt: skip
         if batching not in ("auto", "vmap", "loop"):
             raise GossipError(f"runtime.batching must be auto, vmap or loop (got {batching!r})")
-        self.model, self.layout = model, layout
+        if precision not in ("float32", "bf16"):
+            raise GossipError(f"runtime.precision must be float32 or bf16 (got {precision!r})")
+        self.model, self.layout, self.precision = model, layout, precision
+        # auto on a linear model: logits and the loss gradient in closed form (loss_grad), a
+        # handful of batched kernels per step instead of an autograd graph; vmap keeps autograd
+        # (the plain path the fused one is tested against)
+        self.closed_form = batching == "auto" and type(model) is Linear and precision == "float32"
 
         def single(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             return functional_call(model, layout.unflatten(flat), (x,))
@@ -101,6 +112,15 @@ class BatchedForward:
             self.mode = "loop"
 
     def __call__(self, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.precision == "bf16":  # autocast forward; the logits back in float32
+            with torch.autocast(theta.device.type, dtype=torch.bfloat16):
+                return self._call(theta, x).float()
+        return self._call(theta, x)
+
+    def _call(self, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        if self.closed_form:
+            L, M = theta.shape[:2]
+            return self._linear(theta, x).view(L, x.shape[1], M, -1).transpose(1, 2)
         if self.mode == "vmap":
             if self.native is not None:
                 return self.native(self.layout.unflatten(theta), x)
@@ -112,7 +132,104 @@ class BatchedForward:
             ]
         )
 
+    def _linear(self, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Logits of the linear model as (L, B, M * C), a transposed view: the weights of every
+        component times x^T in one batched product, the same product (and so the same
+        rounding) as ``Linear.batched_forward``. x times the weights^T streams x faster (about
+        2x on evaluation-sized inputs) but rounds differently: a test prediction on the
+        boundary flips, and the synthetic table would move."""
+        L, M, P = theta.shape
+        x = x.flatten(2)
+        i = x.shape[-1]
+        c = P // (i + 1)
+        w = theta[..., : c * i].reshape(L, M * c, i)  # a view for one output (binary)
+        b = theta[..., c * i :].reshape(L, 1, M * c)
+        return torch.bmm(w, x.transpose(1, 2)).transpose(1, 2) + b
+
+    @torch.no_grad()
+    def loss_grad(
+        self, theta: torch.Tensor, x: torch.Tensor, y: torch.Tensor, sw: torch.Tensor,
+        task: str, batch_size: int, need_loss: bool = True,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+        """Closed-form gradient of ``(sum_b sw_b * loss_b) / batch_size`` in theta (L, M, P),
+        and that loss per peer (L,) (None unless ``need_loss``), for the linear model: the
+        log-loss gradient in the logits is p - y, so dW = r^T x and db = sum_b r with
+        r = (p - y) * sw / batch_size. The same numbers as autograd up to float rounding, in
+        about ten batched kernels. x (L, B, *in), y (L, B), sw (L, M, B)."""
+        L, M, P = theta.shape
+        x = x.flatten(2)
+        B, i = x.shape[1:]
+        c = P // (i + 1)
+        z = self._linear(theta, x)  # (L, B, M * c)
+        swt = sw.transpose(1, 2) * (1.0 / batch_size)  # (L, B, M)
+        if task == "binary":
+            yf = y.to(z.dtype)[..., None]
+            r = (torch.sigmoid(z) - yf) * swt  # (L, B, M)
+        else:
+            zc = z.view(L, B, M, c)
+            onehot = F.one_hot(y, c).to(z.dtype)[:, :, None, :]
+            r = ((torch.softmax(zc, -1) - onehot) * swt[..., None]).view(L, B, M * c)
+        gw = torch.bmm(r.transpose(1, 2), x).view(L, M, c * i)
+        grad = torch.cat([gw, r.sum(1).view(L, M, c)], -1)
+        loss = None
+        if need_loss:
+            if task == "binary":
+                per = F.binary_cross_entropy_with_logits(z, yf.expand_as(z), reduction="none")
+                loss = (per * swt).sum((1, 2))
+            else:
+                per = -torch.log_softmax(zc, -1).gather(-1, y[:, :, None, None].expand(L, B, M, 1))
+                loss = (per[..., 0] * swt).sum((1, 2))
+        return grad, loss
+
+    @torch.no_grad()
+    def linear_sgd_round(self, theta: torch.Tensor, inputs: torch.Tensor, plan) -> None:
+        """A round of plain SGD on the binary linear model's log-loss, in place on theta
+        (L, M, P = [W, b]), for a :class:`gossip_pfl.runtime.data.LinearRound` plan over
+        ``inputs`` (the split's :attr:`augmented` samples, a ones column last). A step is six
+        operations: gather the batch, z = theta x^T (the bias through the ones column),
+        sigmoid, r = (sigmoid(z) - y) * coef (one addcmul: coef holds -step * q * weight / B),
+        theta += r x (one baddbmm: the weights' and the bias' update at once). The same
+        numbers as the autograd path up to float rounding (tests/test_speed.py)."""
+        for rows, pos, coef, ycoef in zip(plan.rows, plan.pos, plan.coef, plan.ycoef):
+            x = F.embedding(pos, inputs)  # (A, B, P)
+            th = theta if rows is None else theta.index_select(0, rows)
+            r = torch.bmm(th, x.mT).sigmoid_()  # (A, M, B)
+            r = torch.addcmul(ycoef, r, coef)
+            if rows is None:
+                theta.baddbmm_(r, x)
+            else:
+                theta.index_add_(0, rows, torch.bmm(r, x))
+
+    @torch.no_grad()
+    def linear_losses(self, theta: torch.Tensor, split, budget: int) -> torch.Tensor:
+        """Every sample's log-loss under every component (L, M, N_max), 0 on padding, for the
+        binary linear model: per piece of the split one product and one loss kernel, the
+        inputs and targets cached views (the train losses of the E-step, every round)."""
+        L, M, P = theta.shape
+        out = torch.zeros(L, M, split.y.shape[1], device=theta.device, dtype=theta.dtype)
+        w_all, b_all = theta.split([P - 1, 1], -1)
+        for rows, sl, xt, tgt in split.linear_pieces(budget, M):
+            # bmm, then + b: the rounding of the forward (_linear), so the E-step's losses
+            # (and the unseen clients' fitted pi) are the plain path's to the last bit
+            if rows is None:
+                z = torch.bmm(w_all, xt).add_(b_all)
+                out[:, :, sl] = F.binary_cross_entropy_with_logits(z, tgt, reduction="none")
+                continue
+            w, b = theta.index_select(0, rows).split([P - 1, 1], -1)
+            xt = split.x[:, sl].index_select(0, rows).flatten(2).mT
+            z = torch.bmm(w, xt).add_(b)
+            loss = F.binary_cross_entropy_with_logits(z, tgt, reduction="none")
+            out[:, :, sl].index_copy_(0, rows, loss)
+        return out
+
     def describe(self) -> str:
+        return self._describe() + (", bf16 autocast" if self.precision == "bf16" else "")
+
+    def _describe(self) -> str:
+        if self.closed_form:
+            return (
+                "batched over peers and components (the model's batched layers, closed-form step)"
+            )
         if self.mode == "vmap":
             how = "the model's batched layers" if self.native else "vmap"
             return f"batched over peers and components ({how})"

@@ -1,0 +1,154 @@
+"""Operations per round, a figure that does not depend on the machine: how many aten operators
+the host dispatches for one round (local work + communicate) and for one evaluation, counted by
+torch.profiler, next to the seconds the same round takes here.
+
+Two workloads: the synthetic D-FedEM (configs/synthetic/dfedem.yaml: 300 peers, M = 3, linear
+model) and the Fashion-MNIST FedEM CNN (configs/fashion_mnist/fedem.yaml; skipped without the
+image files). ``ops`` counts the aten operators called from Python (each one a dispatch);
+``compute ops`` leaves out those that only make a view (no kernel on any device: about the
+kernel launches on a GPU); ``all ops`` adds the operators they call in turn.
+
+    OMP_NUM_THREADS=1 python benchmarks/bench_ops.py [--rounds 5] [--only synthetic]
+        [--set KEY=VALUE ...] [--json runs/bench_ops.json]
+
+Writes the JSON (one record per workload) and prints one markdown table row per workload.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from gossip_pfl.config import load_config
+from gossip_pfl.train import Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+WORKLOADS = {
+    "synthetic": (ROOT / "configs/synthetic/dfedem.yaml", []),
+    "cnn": (ROOT / "configs/fashion_mnist/fedem.yaml", []),
+}
+
+
+#: operators that only make a new view of a tensor (no kernel on any device)
+METADATA = {
+    "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::transpose", "aten::permute",
+    "aten::flatten", "aten::unflatten", "aten::unsqueeze", "aten::squeeze", "aten::slice",
+    "aten::select", "aten::expand", "aten::expand_as", "aten::as_strided", "aten::alias",
+    "aten::t", "aten::detach", "aten::lift_fresh", "aten::view_as", "aten::_unsafe_view",
+    "aten::split", "aten::split_with_sizes", "aten::unbind", "aten::chunk", "aten::narrow",
+    "aten::numpy_T", "aten::result_type", "aten::is_nonzero", "aten::resolve_conj",
+    "aten::resolve_neg", "aten::to",
+}  # fmt: skip
+
+
+def aten_counts(fn) -> dict[str, int]:
+    """aten operators ``fn()`` dispatches: called from Python (top-level), those of them that
+    compute (not a view; ``aten::to`` counted by its copy), and all, nested ones included."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    top = compute = total = 0
+    for ev in prof.events():
+        if not ev.name.startswith("aten::"):
+            continue
+        total += 1
+        parent = ev.cpu_parent
+        while parent is not None and not parent.name.startswith("aten::"):
+            parent = parent.cpu_parent
+        if parent is None:
+            top += 1
+            compute += ev.name not in METADATA
+        elif ev.name == "aten::_to_copy" and parent.name == "aten::to":
+            compute += 1  # a conversion that copies
+    return {"top_level": top, "compute": compute, "all": total}
+
+
+def one_round(trainer: Trainer, t: int) -> None:
+    active = trainer.sample(t)
+    trainer.local_work(t, active)
+    trainer.communicate(t, active)
+
+
+def measure(name: str, config: Path, overrides: list[str], rounds: int) -> dict:
+    cfg = load_config(config, ["runtime.device=cpu", f"out=runs/bench_ops/{name}", *overrides])
+    trainer = Trainer(cfg, log=lambda *a: None)
+    one_round(trainer, 0)  # warm-up: plans, caches, first allocations
+    times = []
+    for t in range(1, rounds + 1):
+        t0 = time.perf_counter()
+        one_round(trainer, t)
+        times.append(time.perf_counter() - t0)
+    ops = aten_counts(lambda: one_round(trainer, rounds + 1))
+    t0 = time.perf_counter()
+    trainer.metrics_row(rounds + 1)
+    eval_s = time.perf_counter() - t0
+    eval_ops = aten_counts(lambda: trainer.metrics_row(rounds + 1))
+    return {
+        "workload": name,
+        "config": str(config.relative_to(ROOT)),
+        "overrides": overrides,
+        "peers": trainer.n_peers,
+        "components": trainer.M,
+        "ops_per_round": ops["top_level"],
+        "compute_ops_per_round": ops["compute"],
+        "ops_per_round_all": ops["all"],
+        "seconds_per_round": statistics.median(times),
+        "ops_per_eval": eval_ops["top_level"],
+        "compute_ops_per_eval": eval_ops["compute"],
+        "seconds_per_eval": eval_s,
+        "threads": torch.get_num_threads(),
+        "device": str(trainer.device),
+        "local_work": trainer.forward.describe(),
+    }
+
+
+def commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                             capture_output=True, text=True, check=True)  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=ROOT,
+                               capture_output=True, text=True).stdout.strip()  # fmt: skip
+        return out.stdout.strip() + ("+dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5, help="timed rounds (median)")
+    ap.add_argument("--only", choices=sorted(WORKLOADS), action="append")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for every workload")  # fmt: skip
+    ap.add_argument("--json", type=Path, default=ROOT / "runs" / "bench_ops.json")
+    args = ap.parse_args()
+    records = []
+    for name in args.only or list(WORKLOADS):
+        config, overrides = WORKLOADS[name]
+        try:
+            records.append(measure(name, config, overrides + args.set, args.rounds))
+        except Exception as err:  # noqa: BLE001 - e.g. the image files are not installed
+            print(f"# {name}: skipped ({type(err).__name__}: {str(err).splitlines()[0]})")
+    rev = commit()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"commit": rev, "records": records}, indent=2) + "\n")
+    print(f"# commit {rev}; written to {args.json}")
+    print("| workload | peers x M | ops/round | compute ops/round | all ops/round | s/round "
+          "| ops/eval | s/eval | threads |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in records:
+        print(
+            f"| {r['workload']} | {r['peers']} x {r['components']} | {r['ops_per_round']} | "
+            f"{r['compute_ops_per_round']} | {r['ops_per_round_all']} | "
+            f"{r['seconds_per_round']:.4f} | {r['ops_per_eval']} | "
+            f"{r['seconds_per_eval']:.3f} | {r['threads']} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

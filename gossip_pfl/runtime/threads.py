@@ -1,0 +1,47 @@
+"""Torch threads that fit the machine: the cores this process may use, shared by the ranks on
+its node.
+
+torch's own default is every physical core of the machine. Two runs side by side (seeds in
+parallel, or k torchrun ranks on one node) then run twice as many threads as there are cores,
+and OpenMP threads that spin at barriers make each run several times slower than the shared
+cores explain. Precedence: ``runtime.threads`` > ``OMP_NUM_THREADS`` (an explicit choice;
+torchrun sets it to 1 when it starts several ranks on a node and it is unset) > the cores in
+this process's affinity mask divided by ``LOCAL_WORLD_SIZE`` (torchrun's ranks on this node).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def available_cores() -> int:
+    """Cores this process may run on (its affinity mask: taskset, cgroups cpusets, SLURM)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS, Windows: no affinity mask
+        return os.cpu_count() or 1
+
+
+def default_threads(env: dict[str, str] | None = None) -> tuple[int, str]:
+    """(threads, where the number comes from) when the config leaves ``runtime.threads`` at 0."""
+    env = os.environ if env is None else env
+    omp = env.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp), "OMP_NUM_THREADS"
+    local = env.get("LOCAL_WORLD_SIZE", "").strip()
+    ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    cores = available_cores()
+    return max(1, cores // ranks), f"{cores} cores / {ranks} rank(s) on the node"
+
+
+def set_threads(threads: int = 0) -> str:
+    """Set torch's intra-op threads (``threads`` > 0, else the default above); returns how the
+    count was chosen, for the run's first log line."""
+    how = "runtime.threads"
+    if threads <= 0:
+        threads, how = default_threads()
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return f"{threads} thread(s) ({how})"

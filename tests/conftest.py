@@ -1,0 +1,32 @@
+"""Every test runs on the device it was written for.
+
+The suite was written for the CPU: with a GPU visible, ``runtime.device: auto`` would move its
+runs to CUDA (other numerics, host-only assertions, far slower for tiny problems). So every test
+without the ``cuda`` marker sees a CPU-only machine: ``torch.cuda.is_available()`` is False in
+this process, and processes it starts (CLI runs, torchrun ranks, spawned workers) inherit
+``CUDA_VISIBLE_DEVICES=""``. Tests marked ``cuda`` see the GPU, and are skipped without one.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+# Asked once, before any test hides the GPU: torch caches the device count, and a CUDA test
+# after a hidden one must still find it.
+HAS_CUDA = torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _pin_device(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if "cuda" in request.keywords:
+        return
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
