@@ -9,9 +9,13 @@ Compares, per gossip round (median over repeats, measured in one run):
 and how busy the machine's cores are during the bare exchange (processes' CPU seconds over
 wall seconds times cores): when the copies through loopback already keep the cores busy, the
 mixing arithmetic cannot hide behind them and adds to the round.
+  * the zmq transport (``runtime.transport: zmq``, gossip_pfl/runtime/zmq_comm.py): the same
+    ring exchange with ZmqComm, as the collectives world (no acks) and as a peer-to-peer one
+    (``p2p=True``: every message acknowledged), on its own loopback ports in the same processes,
+    timed between the Gloo cases (issue 20's target: zmq <= 1.2 x bare batch_isend_irecv).
 Goal (issue 3): runtime <= 1.1 x bare p2p, and below all_reduce.
 
-    python benchmarks/bench_exchange.py [--params 10000000] [--ranks 4] [--repeats 10]
+    python benchmarks/bench_exchange.py [--params 10000000] [--ranks 4] [--repeats 10] [--no-zmq]
 """
 
 from __future__ import annotations
@@ -36,7 +40,9 @@ def _ring_phase(n: int):
     return Phase(n, rows, cols, np.full(3 * n, 1 / 3))
 
 
-def _worker(rank: int, world: int, port: int, params: int, repeats: int, queue) -> None:
+def _worker(
+    rank: int, world: int, port: int, params: int, repeats: int, queue, zmq_peers=None
+) -> None:
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
     )
@@ -49,7 +55,7 @@ def _worker(rank: int, world: int, port: int, params: int, repeats: int, queue) 
 
     torch.set_num_threads(1)
     comm = init_comm("cpu", "gloo", 120)
-    state = torch.randn(1, params)
+    state = torch.randn(1, params, generator=torch.Generator().manual_seed(rank))
     exchanger = Exchanger(Placement(world, world, rank), comm)
     phase = _ring_phase(world)
     left, right = (rank - 1) % world, (rank + 1) % world
@@ -92,11 +98,34 @@ def _worker(rank: int, world: int, port: int, params: int, repeats: int, queue) 
     def allreduce():
         dist.all_reduce(buf)
 
+    zmq_cases = ()
+    if zmq_peers:
+        from gossip_pfl.runtime.zmq_comm import ZmqComm
+
+        zcomms = {
+            "zmq": ZmqComm(rank, zmq_peers["zmq"], "cpu", 120),
+            "zmq_p2p": ZmqComm(rank, zmq_peers["zmq_p2p"], "cpu", 120, p2p=True),
+        }
+        zrecv_l, zrecv_r = torch.empty(params), torch.empty(params)
+
+        def zmq_exchange(comm):
+            def fn():
+                comm.set_tag(comm.tag[0] + 1, 0)
+                p = comm.exchange({left: state[0], right: state[0]},
+                                  {left: zrecv_l, right: zrecv_r})  # fmt: skip
+                p.wait_all()
+                if getattr(p, "lost", None):
+                    raise RuntimeError(f"zmq p2p exchange lost links {p.lost}")
+
+            return fn
+
+        zmq_cases = tuple((name, zmq_exchange(c)) for name, c in zcomms.items())
+
     results = {}
     cpu = {}  # this process's CPU seconds and the wall seconds, per case
     cases = (
-        ("bare", bare), ("comm", ours_comm), ("ours", ours), ("replanned", ours_replanned),
-        ("allreduce", allreduce),
+        ("bare", bare), *zmq_cases, ("comm", ours_comm), ("ours", ours),
+        ("replanned", ours_replanned), ("allreduce", allreduce),
         ("mix", mix_only), ("floor", traffic_floor),
     )  # fmt: skip
     for name, fn in cases * 2:
@@ -114,6 +143,12 @@ def _worker(rank: int, world: int, port: int, params: int, repeats: int, queue) 
         prev = cpu.get(name, (0.0, 0.0))
         cpu[name] = (prev[0] + busy, prev[1] + w1 - w0)
         results.setdefault(name, []).extend(times)
+    if zmq_cases:  # the rows zmq received are the neighbours'
+        for got, r in ((zrecv_l, left), (zrecv_r, right)):
+            want = torch.randn(1, params, generator=torch.Generator().manual_seed(r))
+            assert torch.equal(got, want[0]), f"rank {rank}: wrong row from rank {r}"
+        for c in zcomms.values():
+            c.close()
     queue.put((rank, {k: statistics.median(v) for k, v in results.items()}, cpu))
     comm.close()
 
@@ -123,14 +158,29 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=10_000_000)
     ap.add_argument("--ranks", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--no-zmq", action="store_true", help="leave out the zmq transport")
     args = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    socks = [socket.socket() for _ in range(1 + 2 * args.ranks)]
+    try:  # all the ports at once, so that they differ
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        ports = [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+    port, n = ports[0], args.ranks
+    zmq_peers = None
+    if not args.no_zmq:
+        zmq_peers = {
+            "zmq": {r: f"127.0.0.1:{ports[1 + r]}" for r in range(n)},
+            "zmq_p2p": {r: f"127.0.0.1:{ports[1 + n + r]}" for r in range(n)},
+        }
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [
-        ctx.Process(target=_worker, args=(r, args.ranks, port, args.params, args.repeats, queue))
+        ctx.Process(
+            target=_worker, args=(r, n, port, args.params, args.repeats, queue, zmq_peers)
+        )  # fmt: skip
         for r in range(args.ranks)
     ]
     for p in procs:
@@ -156,8 +206,12 @@ def main() -> None:
         f"median of {2 * args.repeats} rounds"
     )
     print(f"{'exchange':<40} {'median s':>9} {'vs bare':>8}")
+    labels = [("bare", "bare batch_isend_irecv (2 neighbours)")]
+    if zmq_peers:
+        labels += [("zmq", "zmq ZmqComm exchange (2 neighbours)"),
+                   ("zmq_p2p", "zmq ZmqComm exchange, p2p (acks)")]  # fmt: skip
     for name, label in (
-        ("bare", "bare batch_isend_irecv (2 neighbours)"),
+        *labels,
         ("comm", "runtime Exchanger.exchange (bytes only)"),
         ("ours", "runtime Exchanger.mix (exchange + mix)"),
         ("replanned", "  the same, planned anew every round"),
@@ -167,6 +221,9 @@ def main() -> None:
     ):
         print(f"{label:<40} {med[name]:>9.4f} {med[name] / med['bare']:>8.2f}")
     print(f"# cores busy during the bare exchange: {busy / (wall * cores):.0%} of {cores}")
+    if zmq_peers:
+        print(f"# zmq / Gloo batch_isend_irecv: {med['zmq'] / med['bare']:.2f}x, p2p "
+              f"{med['zmq_p2p'] / med['bare']:.2f}x (target <= 1.2x)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ def build_parser() -> argparse.ArgumentParser:
         ver = "unknown"
     parser.add_argument("--version", action="version", version=f"gossip-pfl {ver}")
     sub = parser.add_subparsers(dest="command", required=True)
-    from gossip_pfl import cli_plot, cli_run, cli_topology
+    from gossip_pfl import cli_peer, cli_plot, cli_run, cli_topology
 
     cli_run.register(sub)
+    cli_peer.register(sub)
     cli_topology.register(sub)
     cli_plot.register(sub)
     return parser

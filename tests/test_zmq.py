@@ -59,7 +59,7 @@ def _ring_worker(peers, delays):
             comm.exchange(sends, recvs).wait_all()
             got.append((recvs[left].clone(), recvs[right].clone()))
             total = comm.all_reduce_sum(_vector(rank + rnd))
-        return got, total.numpy().tobytes(), dict(comm.stats)
+        return got, total.cpu().numpy().tobytes(), dict(comm.stats)
     finally:
         comm.close()
 
@@ -78,14 +78,14 @@ def test_ring_exchange_and_all_reduce_across_processes_started_in_any_order():
         expected = _vector(0 + 2).clone()
         for r in range(1, 4):
             expected += _vector(r + 2)
-        assert total == expected.numpy().tobytes()
+        assert total == expected.cpu().numpy().tobytes()
 
 
 def _send_raw(sock, key, sender, tensor, payload=None):
     t = tensor.contiguous()
     head = zc._HEAD.pack(zc._MAGIC, *key, sender, zc._CODE[t.dtype], t.dim())
     head += b"".join(zc._DIM.pack(d) for d in t.shape)
-    sock.send_multipart([head, t.numpy().tobytes() if payload is None else payload])
+    sock.send_multipart([head, t.cpu().numpy().tobytes() if payload is None else payload])
 
 
 @pytest.fixture
@@ -127,6 +127,51 @@ def test_stale_bad_and_unknown_messages_are_dropped_and_future_ones_queued(comm0
     # either way it never lands in a tensor
     assert comm.stats["bad"] == 4 and comm.stats["unknown"] == 1
     assert comm.stats["unexpected"] == 1 and comm.stats["stale"] == 1
+
+
+@pytest.mark.parametrize("p2p", [False, True])
+def test_payloads_in_many_frames_land_whole(monkeypatch, p2p):
+    """Payloads travel in frames of at most CHUNK bytes (made 64 here): sizes around a frame's
+    edge, a non-contiguous tensor, and a message queued early (a later tag) arrive whole."""
+    import threading
+
+    monkeypatch.setattr(zc, "CHUNK", 64)
+    peers = _peers(2)
+    comms = [zc.ZmqComm(r, peers, "cpu", 20, p2p=p2p) for r in range(2)]
+    sizes = [0, 1, 15, 16, 17, 33, 1000]  # float32: 64 bytes = 16 values
+    got, errors = {}, []
+
+    def worker(r):
+        try:
+            c, other = comms[r], 1 - r
+            for t, n in enumerate(sizes):
+                c.set_tag(t, 0)
+                x = torch.arange(2 * n, dtype=torch.float32).view(n, 2)[:, 1] + 1000 * r + t
+                y = torch.full((n,), float("nan"))
+                if r == 1:  # rank 0 is a tag ahead: rank 1 finds its messages queued
+                    time.sleep(0.05)
+                p = c.exchange({other: x}, {other: y})
+                p.wait_all()
+                assert not getattr(p, "lost", None)
+                got[(r, t)] = y.clone()
+        except Exception as err:  # pragma: no cover - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(60)
+    finally:
+        for c in comms:
+            c.close()
+    assert not errors, errors
+    for t, n in enumerate(sizes):
+        for r in range(2):
+            want = torch.arange(2 * n, dtype=torch.float32).view(n, 2)[:, 1] + 1000 * (1 - r) + t
+            assert torch.equal(got[(r, t)], want), (r, t)
+    assert all(v == 0 for c in comms for k, v in c.stats.items() if k != "ahead")
 
 
 def test_a_missing_neighbour_raises_within_the_timeout(comm0):

@@ -35,6 +35,9 @@ class Comm(Protocol):
     device: torch.device  # where the rank's tensors live
     rank: int
     world_size: int
+    #: whether ``all_reduce_sum`` spans the world; False in a peer-to-peer world (ZmqComm with
+    #: p2p=True), where the Trainer computes metrics, checks and checkpoints per process
+    collectives: bool
 
     def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]) -> Waitable:
         """Start sending ``sends[r]`` to rank r and receiving into the preallocated ``recvs[r]``
@@ -59,6 +62,7 @@ class LocalComm:
     rank: int = 0
     world_size: int = 1
     backend: str = "none"
+    collectives: bool = True
 
     def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]):
         if sends or recvs:
@@ -83,6 +87,7 @@ class TorchComm:
     rank: int
     world_size: int
     backend: str
+    collectives: bool = True
 
     def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]):
         """Start sending each ``sends[r]`` to rank r and receiving each ``recvs[r]`` from rank r,
@@ -246,11 +251,12 @@ def _zmq_comm(
     peers,
     rank: int,
     bind_host: str | None = None,
-    **_,
+    **p2p_options,
 ):
     from gossip_pfl.runtime.zmq_comm import ZmqComm  # pyzmq is only needed here
 
-    return ZmqComm(rank, peers, resolve_device(device), timeout_s, bind_host=bind_host)
+    p2p_options.pop("backend", None)
+    return ZmqComm(rank, peers, resolve_device(device), timeout_s, bind_host, **p2p_options)
 
 
 def _torch_comm(device: str = "auto", timeout_s: float = 300.0, *, backend: str = "auto", **_):
@@ -271,9 +277,23 @@ def build_comm(
 ) -> Comm:
     """The transport named ``transport``. ``torch`` takes ``backend`` and reads torchrun's
     environment (see ``init_comm``); ``zmq`` takes ``peers`` (a YAML file or a dict of rank ->
-    host:port), ``rank`` and optionally ``bind_host``."""
+    host:port), ``rank`` and optionally ``bind_host``, and for a peer-to-peer world ``p2p``,
+    ``link_timeout_s`` and ``faults`` (see ``ZmqComm``)."""
     if transport not in TRANSPORTS:
         raise GossipError(
             f"runtime.transport must be one of {sorted(TRANSPORTS)} (got {transport!r})"
         )
     return TRANSPORTS[transport](device, timeout_s, **options)
+
+
+def comm_from_config(rt) -> Comm:
+    """The transport a run config (``RuntimeConfig``) asks for, in a process started by
+    ``gossip-pfl run`` (or torchrun). Peer-to-peer processes are started by ``gossip-pfl peer``,
+    which builds its ZmqComm from the peers file and its ``--id``."""
+    if rt.transport != "torch":
+        raise GossipError(
+            f"runtime.transport is {rt.transport!r}: start each process with "
+            "'gossip-pfl peer CONFIG --peers PEERS.yaml --id K' (or 'gossip-pfl peers-local "
+            "CONFIG -n N' on one machine), not 'gossip-pfl run'"
+        )
+    return init_comm(rt.device, rt.backend, rt.timeout_s)

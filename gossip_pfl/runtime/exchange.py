@@ -9,6 +9,7 @@ is one sparse matrix product over the rank's stacked rows plus the received ones
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,6 +32,9 @@ class PhasePlan:
     recv_counts: dict[int, int]  # rank -> rows to receive (sorted by node id)
     own: torch.Tensor  # W over the rank's own rows (L x L)
     received: torch.Tensor | None  # W over the received rows (L x sum of recv_counts)
+    #: per sending rank, each local row's total weight on that rank's rows (computed at the
+    #: first lost link: a lost link's weight goes to the diagonal)
+    recv_mass: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 # A block is a dense matrix when it is tiny (a few peers per rank, e.g. one large model per GPU)
@@ -140,9 +144,11 @@ class Exchanger:
     """Mixes a rank's stacked shared state (local nodes x D) through schedule phases."""
 
     placement: Placement
-    comm: object  # LocalComm | TorchComm
+    comm: object  # LocalComm | TorchComm | ZmqComm
     bytes_sent: int = 0
     messages_sent: int = 0
+    #: called as on_mix(state, out, lost) after every mix (peer-to-peer runs log their links)
+    on_mix: Callable | None = None
     _cache: dict = field(default_factory=dict)
     _recv: dict = field(default_factory=dict)  # (D, dtype, device) -> receive buffer
 
@@ -206,9 +212,32 @@ class Exchanger:
         # 1.43x the bare exchange in benchmarks/bench_exchange.py).
         out = _matmul(plan.own, state, out)
         pending.wait_all()
+        lost = getattr(pending, "lost", None)  # a peer-to-peer link that did not count
+        if lost:
+            drop_links(plan, lost, state, out, recvs)
         if plan.received is not None:  # in place, no temporary, no host sync for a 1 x 1 block
             out.addmm_(plan.received, whole)
+        if self.on_mix is not None:
+            self.on_mix(state, out, lost or set())
         return out
+
+
+def drop_links(plan: PhasePlan, lost, state, out, recvs: dict[int, torch.Tensor]) -> None:
+    """Mix as if the links with the ``lost`` ranks were not in W_t: their rows' weights go to
+    each local row's diagonal (``out += mass * state``) and their (maybe partial) rows are
+    zeroed. Both ends of a link do this when both decide it lost, so a symmetric W_t stays
+    doubly stochastic and the average is kept."""
+    for r in sorted(lost):
+        if r not in recvs:
+            continue
+        if r not in plan.recv_mass:
+            total = sum(plan.recv_counts.values())
+            starts = dict(zip(plan.recv_counts, np.cumsum([0, *plan.recv_counts.values()])))
+            pick = torch.zeros(total, 1, dtype=plan.received.dtype, device=out.device)
+            pick[starts[r] : starts[r] + plan.recv_counts[r]] = 1
+            plan.recv_mass[r] = (plan.received @ pick)[:, 0]  # dense or CSR
+        recvs[r].zero_()
+        out.addcmul_(state, plan.recv_mass[r].to(state.dtype)[:, None])
 
 
 def _matmul(block: torch.Tensor, x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:

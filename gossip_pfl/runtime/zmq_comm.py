@@ -11,12 +11,16 @@ replies to route, and a PUSH socket connected to one peer queues messages until 
 messages to an identity that has not connected yet. One PULL per rank fair-queues all senders,
 so a rank waits on a single socket.
 
-Messages are two frames: a fixed-size header (magic, round, phase, kind, sequence number,
-sender, dtype and shape) and the tensor's bytes. Sends are zero-copy for contiguous CPU tensors
-(ZeroMQ holds the tensor's memory until the bytes have left; ``Pending.wait_all`` waits for
-that; pyzmq copies messages under 64 KiB instead, and ``close`` lingers so those still leave).
-A message for the operation being waited on is received straight into the preallocated tensor
-(``recv_into``), after its header was checked; nothing is pickled.
+Messages are a fixed-size header frame (magic, round, phase, kind, sequence number, sender,
+dtype and shape) and the tensor's bytes, in frames of at most ``CHUNK`` bytes (1 MiB). Sends are
+zero-copy for contiguous CPU tensors (ZeroMQ holds the tensor's memory until the bytes have
+left; ``Pending.wait_all`` waits for that; pyzmq copies frames under 64 KiB instead, and
+``close`` lingers so those still leave). A message for the operation being waited on is received
+straight into the preallocated tensor (``recv_into``, frame by frame), after its header was
+checked; nothing is pickled. The frames matter for speed: libzmq receives a frame into a buffer
+it allocates, so one 40 MB frame costs a fresh 40 MB allocation (page faults) per message, where
+1 MiB frames reuse the heap and stay in cache for the copy into the tensor (3x faster on a
+ring of 4 processes with 10M float32 parameters; benchmarks/bench_exchange.py).
 
 Tags: the caller calls ``comm.set_tag(round, phase)`` before the phase's exchange (the
 Trainer's round loop, once per phase; ``all_reduce_sum`` calls in the same round go under the
@@ -34,6 +38,24 @@ own counter), so every rank must make the same calls in the same order after eac
 Waiting is bounded: after ``timeout_s`` without the expected messages, ``wait_all`` raises a
 ``GossipError`` naming the ranks it waited for.
 
+Peer to peer (``p2p=True``, what ``gossip-pfl peer`` builds; docs/p2p.md): no collectives
+(``collectives`` is False and ``all_reduce_sum`` refuses), and a lost link is not an error.
+
+- Start: ``join`` sends a hello to every process (repeated every link timeout) and waits for
+  theirs; a fresh start needs them all within ``timeout_s``, a restart needs one, and starts at
+  the round the running peers name.
+- Link faults: in an exchange every message that lands is acknowledged at once; the link with
+  rank r counts only when r's message landed here and r's ack of ours came back (both ends hold
+  each other's rows). It is given up after ``link_timeout_s``, or at once when r is seen past
+  this exchange (on one connection, r's ack would have come before its later messages); the
+  Exchanger then moves its weight to the diagonal (``ZmqPending.lost``). The ends disagree only
+  when an ack is late past the other's deadline (or dropped by fault injection); merge reports
+  those cases and the drift of the average they cause. A neighbour that sent nothing in its
+  last exchange (dead?) is not waited for until it sends again; a lost link's socket is reset,
+  so nothing piles up for a dead peer.
+- Fault injection (``Faults``): seeded per-link drops (known to both ends, not waited for)
+  and per-ack losses.
+
 ``all_reduce_sum`` is all-to-all: every rank sends its tensor to every other rank, then each
 adds the world's tensors in rank order, so all ranks get bit-identical sums. It moves
 ``(world - 1)`` tensors per rank, fine for metrics (a few numbers) on a few dozen ranks.
@@ -42,11 +64,13 @@ adds the world's tensors in rank order, so all ranks get bit-identical sums. It 
 from __future__ import annotations
 
 import logging
+import math
 import struct
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import zmq
 
@@ -54,8 +78,10 @@ from gossip_pfl.errors import GossipError
 
 log = logging.getLogger(__name__)
 
-EXCHANGE, REDUCE = 0, 1
-_KINDS = {EXCHANGE: "exchange", REDUCE: "all_reduce"}
+EXCHANGE, REDUCE, ACK, HELLO = 0, 1, 2, 3
+#: seconds between a joining process's announcements (hellos)
+HELLO_EVERY_S = 0.25
+_KINDS = {EXCHANGE: "exchange", REDUCE: "all_reduce", ACK: "ack", HELLO: "hello"}
 # magic, round, phase, kind, seq, sender, dtype code, ndim; then ndim int64 dims
 _HEAD = struct.Struct("<4sqiBiiBB")
 _MAGIC = b"GPZ1"
@@ -127,9 +153,41 @@ def _check_address(addr: str, what: str) -> str:
     return f"{host}:{int(port)}"
 
 
+#: the largest payload frame (bytes); a tensor's bytes travel in frames of this size
+CHUNK = 1 << 20
+
+
 def _as_bytes(t: torch.Tensor):
     """A writable/readable byte view of a contiguous CPU tensor's memory (any dtype)."""
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+@dataclass(frozen=True)
+class Faults:
+    """Seeded fault injection (tests, benchmarks). In each exchange the link between two
+    ranks is down with probability ``drop`` (both ends draw the same number, send nothing
+    and count the link lost at once: neither waits, so a drop does not make them late for
+    their other neighbours), and each acknowledgement is lost with probability
+    ``ack_drop`` (the one case where the ends may disagree). Draws depend on (seed, round,
+    phase, ranks) only, so a fault run repeats."""
+
+    drop: float = 0.0
+    ack_drop: float = 0.0
+    seed: int = 0
+
+    def _u(self, *key: int) -> float:
+        return float(np.random.default_rng([self.seed, *key]).random())
+
+    def link_down(self, key, a: int, b: int) -> bool:
+        return (
+            self.drop > 0 and self._u(key[0], key[1], key[3], min(a, b), max(a, b), 0) < self.drop
+        )
+
+    def ack_lost(self, key, sender: int, receiver: int) -> bool:
+        return (
+            self.ack_drop > 0
+            and self._u(key[0], key[1], key[3], sender, receiver, 1) < self.ack_drop
+        )
 
 
 @dataclass
@@ -137,7 +195,7 @@ class _Msg:
     sender: int
     dtype: torch.dtype | None
     shape: tuple[int, ...]
-    data: object = None  # a zmq.Frame (queued messages)
+    data: object = None  # the payload frames (zmq.Frame) of a queued message
 
 
 @dataclass
@@ -151,12 +209,24 @@ class ZmqPending:
     keep: list = field(default_factory=list)  # tensors ZeroMQ may still read from
     done: bool = False
 
+    sends: set[int] = field(default_factory=set)  # ranks sent to (p2p: they owe an ack)
+    #: p2p only: the ranks whose link did not count in this exchange (their rows are not to be
+    #: used; see ZmqComm's docstring, "Link faults")
+    lost: set[int] = field(default_factory=set)
+    #: p2p only: the links that fault injection took down (both ends know it: not waited for)
+    down: set[int] = field(default_factory=set)
+
     def wait_all(self) -> None:
         if self.done:
             return
         try:
-            self.comm._receive(self.key, self.recvs)
-            self.comm._wait_sent(self.key, self.trackers)
+            if self.comm.p2p and self.key[2] == EXCHANGE:
+                self.lost = self.comm._settle(
+                    self.key, self.recvs, self.sends, self.trackers, self.down
+                )
+            else:
+                self.comm._receive(self.key, self.recvs)
+                self.comm._wait_sent(self.key, self.trackers)
         finally:
             self.done = True
             self.comm._finish(self.key)
@@ -175,8 +245,22 @@ class ZmqComm:
         device: str | torch.device = "cpu",
         timeout_s: float = 300.0,
         bind_host: str | None = None,
+        *,
+        p2p: bool = False,
+        link_timeout_s: float | None = None,
+        faults: Faults | None = None,
     ):
         self.peers = read_peers(peers)
+        # p2p: no world-wide collectives, lost links are tolerated (see "Link faults" above)
+        self.p2p = bool(p2p)
+        self.collectives = not self.p2p
+        self.link_timeout_s = float(link_timeout_s or timeout_s)
+        self.faults = faults or Faults()
+        self._heard: dict[int, int] = {}  # rank -> the round its last hello named
+        self._silent: set[int] = set()  # neighbours that sent nothing in their last exchange
+        self._reply_to: set[int] = set()  # peers whose hello awaits an answer
+        self._live: set[int] = set()  # the links that counted in the last exchange
+        self.last_links: dict = {}  # the last p2p exchange's links and the ones lost
         if rank not in self.peers:
             raise GossipError(
                 f"rank {rank} is not in the peers table (ids 0..{len(self.peers) - 1})"
@@ -186,6 +270,8 @@ class ZmqComm:
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
         self.stats = {"stale": 0, "duplicate": 0, "bad": 0, "unknown": 0, "unexpected": 0}
+        if self.p2p:  # links given up, and messages the fault injection suppressed
+            self.stats.update(lost=0, ahead=0, injected=0)
         self._round, self._phase = 0, 0
         self._next = {EXCHANGE: 0, REDUCE: 0}  # next sequence number per kind, under the tag
         self._queue: dict[tuple, dict[int, _Msg]] = {}  # key -> sender -> queued message
@@ -241,7 +327,7 @@ class ZmqComm:
     def _is_past(self, key) -> bool:
         if key[:2] != (self._round, self._phase):
             return key[:2] < (self._round, self._phase)
-        return key[3] < self._next[key[2]] and key != self._active
+        return key[3] < self._next.get(key[2], 0) and key != self._active
 
     # ------------------------------------------------------------------ sending
     def _socket(self, peer: int) -> zmq.Socket:
@@ -266,9 +352,19 @@ class ZmqComm:
         )
         head += b"".join(_DIM.pack(d) for d in t.shape)
         sock = self._socket(peer)
-        sock.send(head, zmq.SNDMORE)
-        tracker = sock.send(_as_bytes(t), copy=False, track=True)
-        pending.trackers.append((peer, tracker))
+        if self.p2p:  # never block on a dead peer's full queue: that is a lost link
+            try:
+                sock.send(head, zmq.SNDMORE | zmq.NOBLOCK)
+            except zmq.Again:
+                return
+        else:
+            sock.send(head, zmq.SNDMORE)
+        data = _as_bytes(t)
+        last = (max(len(data), 1) - 1) // CHUNK * CHUNK  # where the last frame starts
+        for at in range(0, last + 1, CHUNK):  # once for an empty tensor
+            flags = zmq.SNDMORE if at < last else 0
+            tracker = sock.send(data[at : at + CHUNK], flags, copy=False, track=True)
+            pending.trackers.append((peer, tracker))
         pending.keep.append(t)
 
     def _wait_sent(self, key, trackers) -> None:
@@ -304,6 +400,19 @@ class ZmqComm:
             return None
         shape = tuple(_DIM.unpack_from(head, _HEAD.size + i * _DIM.size)[0] for i in range(ndim))
         return (rnd, phase, kind, seq), _Msg(sender, _DTYPES[code], shape)
+
+    def _recv_payload(self, view: memoryview) -> int:
+        """Receive the payload frames of the message being read into ``view``, in order;
+        returns the payload's size in bytes (more than ``len(view)`` if it did not fit: the
+        excess is read and discarded)."""
+        n = 0
+        while True:
+            if n < len(view):
+                n += self._pull.recv_into(view[n:])  # a frame's full size, even if truncated
+            else:
+                n += len(self._pull.recv(copy=False))
+            if not self._pull.getsockopt(zmq.RCVMORE):
+                return n
 
     def _drain(self, more) -> None:
         while more:
@@ -357,36 +466,29 @@ class ZmqComm:
             elif self._is_past(mkey):
                 self._drop("stale", mkey, msg, "that operation is over")
             else:  # a later operation: keep it
-                frame = self._pull.recv(copy=False)
-                self._drain(self._pull.getsockopt(zmq.RCVMORE))
-                slot = self._queue.setdefault(mkey, {})
-                if msg.sender in slot:
-                    self.stats["duplicate"] += 1
+                if self._queue_early(mkey, msg):
                     log.warning(
                         "rank %d: dropped a second message from rank %d for %s",
                         self.rank,
                         msg.sender,
                         self._what(mkey),
                     )
-                else:
-                    msg.data = frame
-                    slot[msg.sender] = msg
 
-    def _take(self, key, msg: _Msg, waiting: dict) -> None:
-        """Receive the payload of an on-time message straight into its tensor."""
+    def _take(self, key, msg: _Msg, waiting: dict) -> bool:
+        """Receive the payload of an on-time message straight into its tensor; True if it
+        landed."""
         into = waiting.get(msg.sender)
         if into is None:
             what = "duplicate" if msg.sender in self._filled else "unexpected"
             self._drop(what, key, msg, "not expected (or already received)")
-            return
+            return False
         why = self._fits(msg, into)
         if why:
             self._drop("bad", key, msg, why)
-            return
+            return False
         staged = into if into.device.type == "cpu" and into.is_contiguous() else None
         buf = staged if staged is not None else torch.empty(into.shape, dtype=into.dtype)
-        n = self._pull.recv_into(_as_bytes(buf)) if buf.numel() else len(self._pull.recv())
-        self._drain(self._pull.getsockopt(zmq.RCVMORE))
+        n = self._recv_payload(_as_bytes(buf))
         if n != buf.numel() * buf.element_size():
             # the header lied about the payload: the tensor may hold part of it, but it is not
             # marked received, so a timeout follows unless a good copy comes
@@ -399,39 +501,257 @@ class ZmqComm:
                 n,
                 list(msg.shape),
             )
-            return
+            return False
         if staged is None:
             into.copy_(buf)
         del waiting[msg.sender]
         self._filled.add(msg.sender)
+        return True
 
-    def _place(self, key, msg: _Msg, waiting: dict) -> None:
-        """Copy a queued (early) message into its tensor, after the same checks."""
+    def _place(self, key, msg: _Msg, waiting: dict) -> bool:
+        """Copy a queued (early) message into its tensor, after the same checks; True if it
+        landed."""
         into = waiting.get(msg.sender)
         why = "not expected" if into is None else self._fits(msg, into)
-        if why is None and len(msg.data.buffer) != into.numel() * into.element_size():
+        size = sum(len(f.buffer) for f in msg.data)
+        if why is None and size != into.numel() * into.element_size():
             why = "payload size does not match its header"
         if why:  # its payload was read with it when it was queued
             self._count_drop("unexpected" if into is None else "bad", key, msg, why)
-            return
-        src = torch.frombuffer(msg.data.buffer, dtype=into.dtype) if into.numel() else into
-        into.copy_(src.view(into.shape))
+            return False
+        if into.device.type == "cpu" and into.is_contiguous():
+            dest = into
+        else:
+            dest = torch.empty(into.shape, dtype=into.dtype)
+        view, at = _as_bytes(dest), 0
+        for f in msg.data:
+            view[at : at + len(f.buffer)] = f.buffer
+            at += len(f.buffer)
+        if dest is not into:
+            into.copy_(dest)
         del waiting[msg.sender]
         self._filled.add(msg.sender)
+        return True
 
     def _what(self, key) -> str:
         return f"{_KINDS[key[2]]} #{key[3]} of round {key[0]}, phase {key[1]}"
+
+    # ------------------------------------------------------------------ peer to peer
+    def _control(self, peer: int, key, kind: int) -> None:
+        """A header-only message (ack, hello); dropped, never blocking, if the peer's queue is
+        full (a dead peer's)."""
+        head = _HEAD.pack(_MAGIC, key[0], key[1], kind, key[3], self.rank, 0, 0)
+        try:
+            self._socket(peer).send_multipart([head, b""], zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _reset(self, peer: int) -> None:
+        """Forget what is still queued for ``peer`` (a lost link): a dead peer's messages would
+        otherwise pile up, and a restarted one would get them all; the next send reconnects."""
+        sock = self._push.pop(peer, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    def _hello(self, mkey, msg: _Msg) -> None:
+        """A peer announced itself (mkey[0]: its round; mkey[1]: 1 if it wants a reply)."""
+        self._drain(True)
+        self._heard[msg.sender] = mkey[0]
+        if mkey[1]:
+            self._reply_to.add(msg.sender)
+
+    def _answer_hellos(self) -> None:
+        """Tell the peers that asked which round this process is at (after a lost link's
+        socket was reset, so that the reply is not discarded with it)."""
+        for r in sorted(self._reply_to):
+            self._control(r, (self._round, 0, HELLO, 0), HELLO)
+        self._reply_to.clear()
+
+    def _queue_early(self, mkey, msg: _Msg) -> bool:
+        """Keep a message for a later operation (its payload frames read off the socket);
+        True if it was a second copy (dropped, counted)."""
+        frames = [self._pull.recv(copy=False)]
+        while self._pull.getsockopt(zmq.RCVMORE):
+            frames.append(self._pull.recv(copy=False))
+        slot = self._queue.setdefault(mkey, {})
+        if msg.sender in slot:
+            self.stats["duplicate"] += 1
+            return True
+        msg.data = frames
+        slot[msg.sender] = msg
+        return False
+
+    def join(self, first_round: int, need_all: bool, wait_round: int = 0) -> int:
+        """Announce this process to every other one and wait for theirs; returns the round to
+        start at: ``first_round``, or the latest round a running peer names (a restarted
+        peer rejoins at the current round).
+
+        ``need_all`` (a fresh start): every process must answer within ``timeout_s``, else a
+        one-line GossipError names the silent ranks and their addresses. Otherwise (a restart)
+        one answer is enough (the others get one link timeout more), once a peer names round
+        ``wait_round`` or later (the kill schedule's restart round; waiting is bounded by
+        ``timeout_s`` without any answer). Announcements repeat every ``HELLO_EVERY_S`` seconds (at
+        most the link timeout): a running peer answers between two of its exchanges.
+        """
+        self.set_tag(first_round, 0)
+        self._silent.clear()
+        others = [r for r in self.peers if r != self.rank]
+        deadline = time.monotonic() + self.timeout_s
+        first_heard, announced = None, -math.inf
+        # a few header-only messages: often enough that a restart waiting for round
+        # ``wait_round`` hears of it while the others are there (they may pass many rounds in
+        # one link timeout)
+        every = min(self.link_timeout_s, HELLO_EVERY_S)
+        while True:
+            now = time.monotonic()
+            if now - announced >= every:
+                for r in others:
+                    self._control(r, (first_round, 1, HELLO, 0), HELLO)
+                announced = now
+            missing = [r for r in others if r not in self._heard]
+            latest = max(self._heard.values(), default=-1)
+            if not missing and latest >= wait_round:
+                break
+            if not need_all and first_heard is not None and latest >= wait_round:
+                deadline = min(deadline, first_heard + self.link_timeout_s)
+            if now >= deadline:
+                if need_all or not self._heard:
+                    where = ", ".join(f"{r} at {self.peers[r]}" for r in missing[:4])
+                    raise GossipError(
+                        f"rank {self.rank}: rank(s) {missing} did not answer within "
+                        f"runtime.timeout_s = {self.timeout_s:g} s ({where}): not started, "
+                        "or the host is unreachable"
+                    )
+                if latest >= wait_round:
+                    break
+                raise GossipError(
+                    f"rank {self.rank}: the running peers did not reach round {wait_round} "
+                    f"within runtime.timeout_s = {self.timeout_s:g} s of their last answer"
+                )
+            wait = min(deadline, announced + every) - now
+            if not self._pull.poll(max(1, int(wait * 1000))):
+                continue
+            got = self._read_header()
+            if got is None:
+                continue
+            mkey, msg = got
+            if msg.sender not in self.peers or msg.sender == self.rank:
+                self._drop("unknown", mkey, msg, "not a rank of the peers table")
+            elif mkey[2] == HELLO:
+                if mkey[0] > latest:  # a peer is running: wait timeout_s from its answer
+                    deadline = max(deadline, time.monotonic() + self.timeout_s)
+                first_heard = first_heard or time.monotonic()
+                self._hello(mkey, msg)
+                self._answer_hellos()
+            elif mkey[:2] < self.tag or mkey[0] < latest:
+                self._drop("stale", mkey, msg, "that operation is over")
+            else:
+                self._queue_early(mkey, msg)
+        start = max([first_round, *(self._heard[r] for r in others if r in self._heard)])
+        self.set_tag(start, 0)  # queued messages of the rounds skipped are dropped as stale
+        return start
+
+    def _settle(
+        self, key, recvs: dict[int, torch.Tensor], sends: set[int], trackers, down=frozenset()
+    ) -> set[int]:
+        """The p2p wait: fill ``recvs``, acknowledge every message that lands, collect the
+        acknowledgements of ``sends``; returns the ranks whose link did not count.
+
+        A link with rank r counts when r's message landed here and (if this rank sent to r)
+        r's ack came back, i.e. both ends hold each other's rows. It is given up when the link
+        timeout passes, or at once when r is seen past this operation (r already decided:
+        its ack would have come before its later messages, on the same connection). The links
+        in ``down`` (fault injection: both ends drew the same number) are lost without a wait.
+        """
+        waiting = {r: t for r, t in recvs.items() if r not in down}
+        need_ack = set(sends) - set(down)
+        links, ahead = set(recvs) | set(sends), set()
+        op = (key[0], key[1], key[3])
+        for sender in self._queue.pop((key[0], key[1], ACK, key[3]), {}):
+            need_ack.discard(sender)
+        for msg in self._queue.pop(key, {}).values():
+            if self._place(key, msg, waiting):
+                self._ack(msg.sender, key)
+        deadline = time.monotonic() + self.link_timeout_s
+        heard = set()  # senders of any message during this wait
+
+        def open_links(silent: bool):
+            return [r for r in links if r not in ahead and (r in waiting or r in need_ack)
+                    and (r in self._silent) == silent]  # fmt: skip
+
+        while open_links(False) or open_links(True):
+            # a neighbour silent since the last exchange (dead?) is not waited for: what has
+            # already arrived from it is read, and its link counts only if complete
+            left = deadline - time.monotonic() if open_links(False) else 0
+            if left < 0 or not self._pull.poll(max(1, int(left * 1000)) if left else 0):
+                break
+            got = self._read_header()
+            if got is None:
+                continue
+            mkey, msg = got
+            sender, kind = msg.sender, mkey[2]
+            mop = (mkey[0], mkey[1], mkey[3])
+            if kind in (EXCHANGE, ACK):  # a hello ends no silence: the peer may still wait
+                heard.add(sender)
+            if sender not in self.peers or sender == self.rank:
+                self._drop("unknown", mkey, msg, "not a rank of the peers table")
+            elif kind == HELLO:
+                self._hello(mkey, msg)
+            elif kind not in (EXCHANGE, ACK):
+                self._drop("bad", mkey, msg, "no collectives in a peer-to-peer world")
+            elif mop == op and kind == ACK:
+                self._drain(True)
+                if sender in need_ack:
+                    need_ack.discard(sender)
+                else:
+                    self._count_drop("unexpected", mkey, msg, "an ack for nothing sent")
+            elif mop == op:
+                if self._take(key, msg, waiting):
+                    self._ack(sender, key)
+            elif mop < op:
+                self._drop("stale", mkey, msg, "that operation is over")
+            else:  # from a later operation: the sender has moved on
+                self._queue_early(mkey, msg)
+                if sender in links and sender not in ahead:
+                    ahead.add(sender)
+                    self.stats["ahead"] += 1
+        done = {r for r in links if r not in waiting and r not in need_ack and r not in down}
+        for r in links - done - set(down):  # nothing was sent on an injected drop
+            self._reset(r)
+        self._silent -= heard | done
+        self._live = done
+        self._answer_hellos()
+        self._silent |= {r for r in links - done if r not in heard and r in waiting}
+        lost = set(recvs) - done
+        self.stats["lost"] += len(lost)
+        if lost:
+            log.info("rank %d: %s: link(s) with %s lost", self.rank, self._what(key), sorted(lost))
+        self.last_links = {"round": key[0], "phase": key[1], "links": sorted(links),
+                           "lost": sorted(links - done)}  # fmt: skip
+        # an acked message has left; the others' sockets were just reset
+        self._wait_sent(key, [(r, t) for r, t in trackers if r in done])
+        return lost
+
+    def _ack(self, peer: int, key) -> None:
+        if self.faults.ack_lost(key, self.rank, peer):
+            self.stats["injected"] += 1
+            return
+        self._control(peer, key, ACK)
 
     # ------------------------------------------------------------------ the interface
     def exchange(self, sends: dict[int, torch.Tensor], recvs: dict[int, torch.Tensor]):
         """Send each ``sends[r]`` to rank r and post the receive of each ``recvs[r]`` from rank
         r, under the current tag; the returned ``ZmqPending.wait_all`` fills ``recvs``."""
         key = self._take_key(EXCHANGE)
-        pending = ZmqPending(self, key, dict(recvs))
+        pending = ZmqPending(self, key, dict(recvs), sends=set(sends))
+        if self.p2p and self.faults.drop:  # both ends draw the same number: neither waits
+            pending.down = {r for r in {*sends, *recvs} if self.faults.link_down(key, self.rank, r)}
+            self.stats["injected"] += len(pending.down)
         self._filled = set()
         try:
             for peer, tensor in sends.items():
-                self._send(peer, key, tensor, pending)
+                if peer not in pending.down:
+                    self._send(peer, key, tensor, pending)
         except BaseException:
             self._finish(key)
             raise
@@ -442,6 +762,11 @@ class ZmqComm:
         rank); returns it."""
         if self.world_size == 1:
             return tensor
+        if self.p2p:
+            raise GossipError(
+                f"rank {self.rank}: all_reduce_sum over a peer-to-peer world (p2p=True has no "
+                "collectives: check comm.collectives first)"
+            )
         key = self._take_key(REDUCE)
         pending = ZmqPending(self, key, {})
         self._filled = set()
@@ -468,8 +793,13 @@ class ZmqComm:
         """Close the sockets. Messages still queued for a live peer get up to ``timeout_s`` to
         leave (pyzmq copies small messages and reports them sent at once, so the last
         exchange's may still be queued); those for a dead peer are then discarded."""
-        for sock in self._push.values():
-            sock.close(linger=int(self.timeout_s * 1000))
+        # p2p: what is left is at most the last acks, and a peer that still wants them waits
+        # no longer than the link timeout
+        for peer, sock in self._push.items():
+            linger = self.timeout_s
+            if self.p2p:  # hellos for a peer that never came are not worth waiting for
+                linger = self.link_timeout_s if peer in self._live else 0
+            sock.close(linger=int(linger * 1000))
         self._push.clear()
         self._pull.close(linger=0)
         self._ctx.term()

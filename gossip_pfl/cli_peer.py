@@ -1,0 +1,485 @@
+"""Peer-to-peer runs over pyzmq (``runtime.transport: zmq``; docs/p2p.md).
+
+    gossip-pfl peer CONFIG --peers PEERS.yaml --id K [--resume]   one process, any start order
+    gossip-pfl peers-local CONFIG -n N [--out RUN_DIR]             N processes on 127.0.0.1
+    gossip-pfl merge RUN_DIR                                       metrics.jsonl + summary.json
+
+There is no process group and no all-reduce: process K holds a block of peers (as rank K does
+under torchrun) and writes RUN_DIR/peers/K/ on its own: config.yaml, metrics.jsonl (its peers'
+values, one list entry per peer), links.jsonl (every exchange: the links, those lost, and how
+the mix changed the sum of the rows on a seeded sample of coordinates), checkpoint.pt and
+summary.json. ``merge`` turns them into the usual RUN_DIR/metrics.jsonl and summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from gossip_pfl import checkpoint
+from gossip_pfl.config import RunConfig, load_config, read_yaml
+from gossip_pfl.errors import GossipError
+from gossip_pfl.train import Trainer
+
+#: the exit code of a process that the kill schedule (runtime.faults.kill) crashed
+KILLED = 75
+#: coordinates of the mixed rows sampled to measure the drift of the average (all if fewer)
+PROBES = 64
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    def common(p: argparse.ArgumentParser) -> None:
+        p.add_argument("config", help="run config YAML (its schedule must be a gossip one)")
+        p.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="override a config key (repeatable)")  # fmt: skip
+        p.add_argument("--out", help="the run folder RUN_DIR (overrides the config's 'out')")
+        p.add_argument("--overwrite", action="store_true", help="replace a run already there")
+
+    p = sub.add_parser("peer", help="start one peer-to-peer process (runtime.transport zmq)",
+                       description="Start process K of a peer-to-peer run. Processes start in "
+                       "any order and wait up to runtime.timeout_s for each other.")  # fmt: skip
+    common(p)
+    p.add_argument("--peers", help="peers file: process id -> host:port (default runtime.peers)")
+    p.add_argument("--id", type=int, required=True, help="this process's id in the peers file")
+    p.add_argument("--resume", action="store_true",
+                   help="restart: resume from this process's checkpoint, rejoin at the current "
+                   "round")  # fmt: skip
+    p.add_argument("--wait-round", type=int, default=0, metavar="R",
+                   help="with --resume: rejoin once the running peers reach round R (a kill "
+                   "schedule's restart round)")  # fmt: skip
+    p.add_argument("--after-pid", type=int, default=0, metavar="PID",
+                   help="a standby restart: load the data now, take the port once process PID "
+                   "has exited")  # fmt: skip
+    p.add_argument("--quiet", action="store_true", help="print only errors")
+    p.set_defaults(func=cmd_peer)
+
+    p = sub.add_parser("peers-local", help="start N peer processes on 127.0.0.1, then merge",
+                       description="Start N processes of a peer-to-peer run on loopback (logs "
+                       "in RUN_DIR/logs/), restart those the kill schedule crashes, and merge "
+                       "their outputs.")  # fmt: skip
+    common(p)
+    p.add_argument("-n", type=int, required=True, help="number of processes")
+    p.set_defaults(func=cmd_peers_local)
+
+    p = sub.add_parser("merge", help="merge a peer-to-peer run's per-process outputs",
+                       description="Merge RUN_DIR/peers/*/ into RUN_DIR/metrics.jsonl and "
+                       "RUN_DIR/summary.json.")  # fmt: skip
+    p.add_argument("run_dir", help="the run folder whose peers/K/ folders to merge")
+    p.set_defaults(func=cmd_merge)
+
+
+# ---- one process -----------------------------------------------------------------------
+class PeerTrainer(Trainer):
+    """The Trainer in a peer-to-peer world: the same rounds; only what needs every process
+    (the run's metrics, the start, a restart) is done differently."""
+
+    def __init__(self, cfg: RunConfig, dataset, comm, log=print):
+        super().__init__(cfg, dataset, comm, log)
+        self.resumed = False
+        self.wait_round = 0  # a restart waits for the running peers to reach this round
+        width = self.nodes[0].numel() if self.bundle.plain else self.bundle.width
+        g = torch.Generator().manual_seed(cfg.seed)  # the same coordinates in every process
+        probe = torch.randperm(width, generator=g)[:PROBES].sort().values
+        self.probe = probe.to(self.device)
+        self.links = open(Path(cfg.out) / "links.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.exchanger.on_mix = self._log_mix
+
+    def run(self, resume: bool = False) -> dict:
+        try:
+            if not resume:  # a fresh start needs every process
+                self.comm.join(0, need_all=True)
+            return super().run(resume)
+        finally:
+            self.links.close()
+
+    def restore(self, out: Path) -> tuple[int, list]:
+        """The process's own latest checkpoint (none: its initial state), then the round the
+        running peers are at."""
+        first, rows = 0, []
+        if (Path(out) / checkpoint.FILE).is_file():
+            first, rows = super().restore(out)
+        self.resumed = True
+        start = self.comm.join(first, need_all=False, wait_round=self.wait_round)
+        if start > first:
+            self.log(f"process {self.comm.rank}: rejoins at round {start} (checkpoint: {first})")
+        return start, rows
+
+    def sample(self, t: int) -> np.ndarray:
+        for kill in self.cfg.runtime.faults.kill:
+            if kill["id"] == self.comm.rank and kill["round"] == t and not self.resumed:
+                print(f"gossip-pfl: process {self.comm.rank} killed at round {t} "
+                      "(runtime.faults.kill)", file=sys.stderr, flush=True)  # fmt: skip
+                self.links.flush()
+                os._exit(KILLED)  # a crash: no checkpoint, no goodbye
+        return super().sample(t)
+
+    def _log_mix(self, state: torch.Tensor, out: torch.Tensor, lost: set) -> None:
+        before = state[:, self.probe].double().sum(0)
+        change = out[:, self.probe].double().sum(0) - before
+        entry = {**self.comm.last_links, "before": before.tolist(), "change": change.tolist()}
+        self.links.write(json.dumps(entry) + "\n")
+
+    def metrics_row(self, t: int) -> dict:
+        """This process's peers' values, one list entry per peer (``merge`` combines them);
+        the local means keep the progress line readable."""
+        mine = self.peers
+        tr_loss, tr_acc, tr_n = (v[mine] for v in self.evaluate(self.train))
+        te_loss, te_acc, te_n = (v[mine] for v in self.evaluate(self.test))
+        row = {
+            "round": t + 1,
+            "peers": mine.tolist(),
+            "train_loss": float((tr_loss * tr_n).sum() / max(tr_n.sum(), 1)),
+            "test_accuracy": float(te_acc.mean()),
+            "consensus_distance": [float("nan")],  # needs every peer: merge, from checkpoints
+            "peer_train_loss": tr_loss.tolist(),
+            "peer_train_accuracy": tr_acc.tolist(),
+            "peer_train_count": tr_n.tolist(),
+            "peer_test_loss": te_loss.tolist(),
+            "peer_test_accuracy": te_acc.tolist(),
+            "peer_test_count": te_n.tolist(),
+            **self.traffic(),
+            "seconds_local": self.times["local"],
+            "seconds_exchange": self.times["exchange"],
+            "links": dict(self.comm.stats),
+        }
+        if self.M > 1 and "pi" in self.personal:
+            row["peer_pi"] = self.personal["pi"].double().cpu().tolist()
+        return row
+
+    def summary(self, last: dict, wall: float) -> dict:
+        return {"algorithm": self.cfg.algorithm.name, "process": self.comm.rank,
+                "peers": last["peers"], "rounds": self.cfg.rounds, "round": last["round"],
+                "test_accuracy": last["test_accuracy"], "wall_seconds": wall,
+                "links": dict(self.comm.stats)}  # fmt: skip
+
+
+def cmd_peer(args: argparse.Namespace) -> int:
+    from gossip_pfl.data import load_dataset
+    from gossip_pfl.rundir import RunStopped, check_out_dir
+    from gossip_pfl.runtime.comm import resolve_device
+    from gossip_pfl.runtime.zmq_comm import Faults, ZmqComm, read_peers
+
+    read_yaml(args.config)  # a missing or malformed config fails here, naming it
+    cfg = load_config(args.config, [*args.overrides, "runtime.transport=zmq"])
+    run_dir = Path(args.out or cfg.out)
+    rt = cfg.runtime
+    source = args.peers or rt.peers
+    if not source:
+        raise GossipError("no peers file: pass --peers PEERS.yaml or set runtime.peers")
+    table = read_peers(source)
+    if args.id not in table:
+        raise GossipError(f"--id {args.id}: not in peers file {source} (ids 0..{len(table) - 1})")
+    for kill in rt.faults.kill:
+        if kill["id"] not in table:
+            raise GossipError(f"runtime.faults.kill: id {kill['id']} is not in peers file {source}")
+    out = run_dir / "peers" / str(args.id)
+    cfg = load_config(args.config, [*args.overrides, "runtime.transport=zmq", f"out={out}"])
+    check_out_dir(out, args.resume, args.overwrite)
+    dataset = load_dataset(cfg.data.name, **cfg.data.options)
+    n = len(dataset.clients) - len(getattr(dataset, "unseen", []) or [])
+    if len(table) > n:
+        raise GossipError(
+            f"peers file {source}: {len(table)} processes but the run has {n} peers: ids "
+            f"{n}..{len(table) - 1} are outside the schedule (one or more peers per process)"
+        )
+    faults = Faults(rt.faults.drop, rt.faults.ack_drop,
+                    cfg.seed if rt.faults.seed is None else rt.faults.seed)  # fmt: skip
+    deadline = time.monotonic() + rt.timeout_s
+    while args.after_pid and _alive(args.after_pid):  # the crashed process may not have
+        if time.monotonic() > deadline:  # bound our port yet: a bind now would take it
+            raise GossipError(f"--after-pid {args.after_pid}: still running after "
+                              f"runtime.timeout_s = {rt.timeout_s} s")  # fmt: skip
+        time.sleep(0.05)
+    while True:
+        try:
+            comm = ZmqComm(args.id, table, resolve_device(rt.device), rt.timeout_s,
+                           p2p=True, link_timeout_s=rt.link_timeout_s, faults=faults)  # fmt: skip
+            break
+        except GossipError as err:
+            # a standby restart (--wait-round) waits for the crashed process's port to free
+            if not args.wait_round or "cannot listen" not in str(err):
+                raise
+            if time.monotonic() > deadline:
+                raise GossipError(f"{err} (waited runtime.timeout_s for it to free)") from None
+            time.sleep(0.05)
+    out.mkdir(parents=True, exist_ok=True)
+    log = (lambda *a, **k: None) if args.quiet else print
+    try:
+        trainer = PeerTrainer(cfg, dataset, comm, log)
+        trainer.wait_round = args.wait_round
+        summary = trainer.run(resume=args.resume)
+    except RunStopped as stop:
+        print(f"gossip-pfl: {stop}")
+        return stop.code
+    finally:
+        comm.close()
+    log(f"process {args.id}: done, {summary['test_accuracy']:.4f} mean test accuracy of its "
+        f"peers; links {summary['links']}")  # fmt: skip
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: is it there (a zombie counts until its parent reaps it)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process
+        return True
+    return True
+
+
+# ---- many processes on one machine ----------------------------------------------------
+def free_ports(n: int) -> list[int]:
+    """``n`` distinct free loopback ports (held open together while they are picked)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def cmd_peers_local(args: argparse.Namespace) -> int:
+    if args.n < 1:
+        raise GossipError(f"-n must be >= 1 (got {args.n})")
+    read_yaml(args.config)
+    cfg = load_config(args.config, [*args.overrides, "runtime.transport=zmq"])
+    run_dir = Path(args.out or cfg.out)
+    if (run_dir / "peers").exists():
+        if not args.overwrite:
+            raise GossipError(
+                f"out: {run_dir} holds another peer-to-peer run; choose another --out or "
+                "replace it with --overwrite"
+            )
+        shutil.rmtree(run_dir / "peers")
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    peers = run_dir / "peers.yaml"
+    peers.write_text("".join(f"{k}: 127.0.0.1:{p}\n" for k, p in enumerate(free_ports(args.n))))
+    base = [sys.executable, "-m", "gossip_pfl", "peer", args.config, "--peers", str(peers),
+            "--out", str(run_dir), "--quiet"]  # fmt: skip
+    for o in args.overrides:
+        base += ["--set", o]
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    restarts = {k["id"]: k["restart"] for k in cfg.runtime.faults.kill if "restart" in k}
+
+    def start(k: int, rejoin: list[str] = ()) -> subprocess.Popen:
+        log = open(run_dir / "logs" / f"{k}.txt", "a")  # noqa: SIM115 - the child holds it
+        cmd = [*base, "--id", str(k), *rejoin]
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+    running = {k: start(k) for k in range(args.n)}
+    # a restart's process starts now, on standby: it loads its data, takes the port once the
+    # crashed process has exited (and been reaped here), then waits for the others to reach
+    # the restart round
+    standby = {k: start(k, ["--resume", "--wait-round", str(r), "--after-pid",
+                            str(running[k].pid)]) for k, r in restarts.items()}  # fmt: skip
+    codes: dict[int, int] = {}
+    while running or standby:  # each process is bounded by its own timeouts
+        for k, p in list(running.items()):
+            if p.poll() is None:
+                continue
+            del running[k]
+            if p.returncode == KILLED and k in standby:
+                running[k] = standby.pop(k)
+            else:
+                codes[k] = p.returncode
+        if not running:  # a standby whose process was never killed
+            for p in standby.values():
+                p.kill()
+                p.wait()
+            standby = {}
+        time.sleep(0.05)
+    failed = {k: c for k, c in codes.items() if c not in (0, KILLED)}
+    if failed:
+        k, code = sorted(failed.items())[0]
+        lines = (run_dir / "logs" / f"{k}.txt").read_text().strip().splitlines()
+        raise_code = code if code > 0 else 1
+        print(f"gossip-pfl: process {k} exited with code {code}: {lines[-1] if lines else ''}",
+              file=sys.stderr)  # fmt: skip
+        return raise_code
+    summary = merge(run_dir)
+    _print_summary(summary, run_dir)
+    return 0
+
+
+# ---- merging ---------------------------------------------------------------------------
+def _read_rows(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def merge(run_dir: str | Path) -> dict:
+    """Combine RUN_DIR/peers/*/ into RUN_DIR/metrics.jsonl and RUN_DIR/summary.json; returns
+    the summary. Per round: the usual accuracies and losses over the peers that reported it
+    (``peers_reporting``); at the end, the consensus distance from the processes' last
+    checkpoints; over the run, the links lost, the ends that disagreed, and the drift of the
+    peers' average that the mixing caused (0 up to rounding when every link was decided alike
+    by its two ends)."""
+    run_dir = Path(run_dir)
+    folders = sorted((p for p in (run_dir / "peers").glob("*") if p.name.isdigit()),
+                     key=lambda p: int(p.name))  # fmt: skip
+    if not folders:
+        raise GossipError(f"merge: no process outputs in {run_dir / 'peers'}")
+    per_process = {int(f.name): _read_rows(f / "metrics.jsonl") for f in folders}
+    cfg = read_yaml(folders[0] / "config.yaml")
+    rounds = sorted({r["round"] for rows in per_process.values() for r in rows})
+    merged = []
+    for rnd in rounds:
+        rows = [r for rows in per_process.values() for r in rows if r["round"] == rnd]
+        merged.append(_merge_round(rnd, rows))
+    if not merged:
+        raise GossipError(f"merge: no metrics rows in {run_dir / 'peers'}/*/metrics.jsonl")
+    links = _merge_links(folders)
+    final = _final_consensus(folders, merged[-1])
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in merged))
+    last = merged[-1]
+    summary = {
+        "algorithm": cfg["algorithm"]["name"],
+        "transport": "zmq",
+        "rounds": cfg["rounds"],
+        "processes": len(folders),
+        **{
+            k: last[k]
+            for k in (
+                "test_accuracy",
+                "test_accuracy_p10",
+                "test_accuracy_weighted",
+                "train_accuracy",
+                "train_loss",
+                "peers_reporting",
+            )
+        },  # fmt: skip
+        **final,
+        "wall_seconds": max(
+            (r[-1]["seconds_local"] + r[-1]["seconds_exchange"]) for r in per_process.values() if r
+        ),  # fmt: skip
+        "bytes_sent": last["bytes_sent"],
+        "client_test_accuracy": last["client_test_accuracy"],
+        **{k: v for k, v in last.items() if k.startswith("mixture_")},
+        "links": links,
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def _merge_round(rnd: int, rows: list[dict]) -> dict:
+    peers = np.concatenate([r["peers"] for r in rows])
+    order = np.argsort(peers)
+
+    def cat(key):
+        return np.concatenate([r[key] for r in rows])[order]
+
+    tr_acc, tr_loss, tr_n = (
+        cat("peer_train_accuracy"),
+        cat("peer_train_loss"),
+        cat("peer_train_count"),
+    )
+    te_acc, te_loss, te_n = cat("peer_test_accuracy"), cat("peer_test_loss"), cat("peer_test_count")
+    n_total = max(max(r["peers"]) for r in rows) + 1
+    client = [None] * n_total
+    for p, a in zip(peers[order], te_acc):
+        client[int(p)] = round(float(a), 5)
+    row = {
+        "round": rnd,
+        "peers_reporting": len(peers),
+        "train_loss": float((tr_loss * tr_n).sum() / max(tr_n.sum(), 1)),
+        "train_accuracy": float((tr_acc * tr_n).sum() / max(tr_n.sum(), 1)),
+        "test_loss": float(te_loss.mean()),
+        "test_accuracy": float(te_acc.mean()),
+        "test_accuracy_weighted": float((te_acc * te_n).sum() / max(te_n.sum(), 1)),
+        "test_accuracy_p10": float(np.percentile(te_acc, 10)),
+        "bytes_sent": int(sum(r["bytes_sent"] for r in rows)),
+        "messages_sent": int(sum(r["messages_sent"] for r in rows)),
+        "client_test_accuracy": client,
+    }
+    if all("peer_pi" in r for r in rows):
+        pi = np.concatenate([r["peer_pi"] for r in rows])[order]
+        row["mixture_weights"] = [round(float(w), 5) for w in pi.mean(0)]
+        row["mixture_leaders"] = np.bincount(pi.argmax(1), minlength=pi.shape[1]).tolist()
+    return row
+
+
+def _merge_links(folders: list[Path]) -> dict:
+    """Links lost and disagreements over the run, and the drift of the average: per mixing
+    step, the change of the sum of every process's rows (on the sampled coordinates), over
+    the number of peers, relative to the size of the average."""
+    steps: dict[tuple, dict[int, dict]] = {}
+    for f in folders:
+        for e in _read_rows(f / "links.jsonl"):
+            steps.setdefault((e["round"], e["phase"]), {})[int(f.name)] = e
+    lost_ends = disagree = ends = 0
+    worst, total_change, size = 0.0, None, 1e-30
+    for _, by in sorted(steps.items()):
+        counted = {k: set(e["links"]) - set(e["lost"]) for k, e in by.items()}
+        for k, e in by.items():
+            ends += len(e["links"])
+            lost_ends += len(e["lost"])
+            for j in e["links"]:
+                if j in by and k < j and k in by[j]["links"]:
+                    disagree += (j in counted[k]) != (k in counted[j])
+        change = np.sum([e["change"] for e in by.values()], axis=0)
+        before = np.linalg.norm(np.sum([e["before"] for e in by.values()], axis=0))
+        size = max(before, 1e-30)
+        worst = max(worst, float(np.linalg.norm(change) / size))
+        total_change = change if total_change is None else total_change + change
+    return {
+        "exchanges": len(steps),
+        "link_ends": ends,
+        "link_ends_lost": lost_ends,
+        "disagreements": disagree,
+        # the average's largest relative change in one mixing step, and over the whole run
+        "drift_max_step": worst,
+        "drift_total": 0.0 if total_change is None else float(np.linalg.norm(total_change) / size),
+    }
+
+
+def _final_consensus(folders: list[Path], last: dict) -> dict:
+    """The consensus distance after the last round, from the processes' checkpoints (each
+    holds its own peers' rows), when every process saved that round."""
+    states = []
+    for f in folders:
+        try:
+            state = checkpoint.load(f)
+        except GossipError:
+            return {}
+        if state["rounds_done"] != last["round"]:
+            return {}
+        states.append(state)
+    shared = sum(s["shared"].double() for s in states)  # rows of other processes are zeros
+    mean = shared.mean(0)
+    dist = ((shared - mean) ** 2).sum(dim=(0, 2)) / shared.shape[0]
+    return {"consensus_distance": dist.tolist()}
+
+
+def _print_summary(summary: dict, run_dir: Path) -> None:
+    print(f"results ({summary['algorithm']}, {summary['processes']} processes, merged into "
+          f"{run_dir / 'summary.json'}):")  # fmt: skip
+    for k in ("test_accuracy", "test_accuracy_p10", "train_accuracy", "peers_reporting",
+              "consensus_distance", "wall_seconds"):  # fmt: skip
+        v = summary.get(k)
+        if isinstance(v, list):
+            v = " ".join(f"{w:.3g}" for w in v)
+        if v is not None:
+            print(f"  {k:<20}  {v:.4f}" if isinstance(v, float) else f"  {k:<20}  {v}")
+    ln = summary["links"]
+    print(f"  links                 {ln['link_ends_lost']} of {ln['link_ends']} link ends lost, "
+          f"{ln['disagreements']} disagreements, drift {ln['drift_total']:.3g}")  # fmt: skip
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    summary = merge(args.run_dir)
+    _print_summary(summary, Path(args.run_dir))
+    return 0

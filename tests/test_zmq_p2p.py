@@ -1,0 +1,237 @@
+"""Peer-to-peer runs over pyzmq on loopback: peer processes give the one-process results, a
+lost link is decided alike by both ends (so the average is kept), a killed peer restarts and
+rejoins, bad messages are never mixed in, and bad peers files stop with one line (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+
+from gossip_pfl.cli import main
+
+zmq = pytest.importorskip("zmq")
+zc = pytest.importorskip("gossip_pfl.runtime.zmq_comm")
+
+CONFIG = {
+    "seed": 1234,
+    "rounds": 6,
+    "data": {"name": "synthetic", "n_clients": 8, "n_test": 200, "dim": 20, "cache": False},
+    "model": {"name": "linear"},
+    "eval": {"every": 3},
+    "algorithm": {"name": "dfedem", "components": 3, "lr": 0.1, "batch_size": 32},
+    "schedule": {"graph": "ring", "weights": "metropolis"},
+    "runtime": {"device": "cpu", "timeout_s": 60, "link_timeout_s": 20},
+    "checkpoint_every": 2,
+}
+
+
+def _config(tmp_path: Path, **runtime) -> Path:
+    cfg = {**CONFIG, "runtime": {**CONFIG["runtime"], **runtime}, "out": str(tmp_path / "run")}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _ports(n: int) -> dict[int, str]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return {r: f"127.0.0.1:{s.getsockname()[1]}" for r, s in enumerate(socks)}
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.run([sys.executable, "-m", "gossip_pfl", *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)  # fmt: skip
+
+
+def test_peer_processes_equal_one_process(tmp_path):
+    """D-FedEM on the synthetic data: 4 peer processes (2 peers each), merged, against the
+    same config in one process (torch transport)."""
+    cfg = _config(tmp_path)
+    one = _cli("run", str(cfg), "--out", str(tmp_path / "one"), "--quiet")
+    assert one.returncode == 0, one.stderr
+    p2p = _cli("peers-local", str(cfg), "-n", "4")
+    assert p2p.returncode == 0, p2p.stderr
+    a = json.loads((tmp_path / "one" / "summary.json").read_text())
+    b = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for key in ("test_accuracy", "test_accuracy_p10", "train_accuracy", "train_loss"):
+        assert abs(a[key] - b[key]) < 1e-4, key
+    np.testing.assert_allclose(b["client_test_accuracy"], a["client_test_accuracy"], atol=1e-4)
+    np.testing.assert_allclose(b["consensus_distance"], a["consensus_distance"], rtol=1e-4)
+    np.testing.assert_allclose(b["mixture_weights"], a["mixture_weights"], atol=1e-4)
+    assert b["peers_reporting"] == 8 and b["processes"] == 4
+    links = b["links"]
+    assert links["link_ends_lost"] == 0 and links["disagreements"] == 0
+    assert links["drift_total"] < 1e-5  # float32 rounding only
+    merged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in merged] == [3, 6]
+
+
+def _threads(n: int, fn, *args) -> dict:
+    out: dict = {}
+    threads = [threading.Thread(target=fn, args=(*args[k], out, k)) for k in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+@pytest.mark.parametrize("drop", [0.0, 0.3])
+def test_lost_links_are_decided_alike_by_both_ends(drop):
+    """Seeded link drops: both ends of every dropped link give it up, and a mix that moves
+    their weight to the diagonal keeps the average (to rounding)."""
+    from gossip_pfl.runtime.exchange import Exchanger
+    from gossip_pfl.runtime.placement import Placement
+    from topologies import Phase
+
+    n, rounds, peers = 4, 6, _ports(4)
+    faults = zc.Faults(drop=drop, seed=3)
+    comms = [zc.ZmqComm(k, peers, "cpu", 10, p2p=True, link_timeout_s=0.5, faults=faults)
+             for k in range(n)]  # fmt: skip
+    x = torch.randn(n, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    i = np.arange(n)
+    phase = Phase(n, np.concatenate([i, i, i]), np.concatenate([i, (i + 1) % n, (i - 1) % n]),
+                  np.full(3 * n, 1 / 3))  # fmt: skip
+
+    def worker(comm, out, k):
+        ex = Exchanger(Placement(n, n, k), comm)
+        state, lost = x[k : k + 1].clone(), []
+        for t in range(rounds):
+            comm.set_tag(t, 0)
+            state = ex.mix(state, ex.plan(phase, key=0))
+            lost.append(comm.last_links["lost"])
+        out[k] = (state, lost)
+
+    try:
+        out = _threads(n, worker, *[(c,) for c in comms])
+    finally:
+        for c in comms:
+            c.close()
+    assert sorted(out) == list(range(n))
+    for t in range(rounds):
+        drawn = {(a, (a + 1) % n) for a in range(n)
+                 if faults.link_down((t, 0, 0, 0), a, (a + 1) % n)}  # fmt: skip
+        for a, b in [(a, (a + 1) % n) for a in range(n)]:
+            assert (b in out[a][1][t]) == (a in out[b][1][t])  # both ends decided alike
+            # every drawn link is lost; a link may also be lost when a dropped one made an end
+            # wait out the link timeout (it then comes late to its other neighbours)
+            assert (a, b) not in drawn or b in out[a][1][t]
+    final = torch.cat([s for s, _ in out.values()])
+    torch.testing.assert_close(final.mean(0), x.mean(0), rtol=0, atol=1e-12)
+    if drop:
+        assert any(lost for _, ls in out.values() for lost in ls)
+
+
+def test_bad_messages_are_dropped_and_a_silent_neighbour_is_a_lost_link():
+    peers = _ports(2)
+    comm = zc.ZmqComm(0, peers, "cpu", 5, p2p=True, link_timeout_s=0.5)
+    ctx = zmq.Context()
+    push, pull = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+    push.connect(f"tcp://{peers[0]}")
+    pull.bind(f"tcp://{peers[1]}")  # what rank 1 would receive
+
+    def send(key, sender, tensor, kind=zc.EXCHANGE):
+        t = tensor.contiguous()
+        head = zc._HEAD.pack(zc._MAGIC, key[0], key[1], kind, key[2], sender,
+                             zc._CODE[t.dtype], t.dim())  # fmt: skip
+        head += b"".join(zc._DIM.pack(d) for d in t.shape)
+        push.send_multipart([head, t.numpy().tobytes()])
+
+    try:
+        good = torch.arange(4.0)
+        send((0, 0, 0), 1, torch.ones(5))  # wrong shape
+        send((0, 0, 0), 9, good + 1)  # unknown sender
+        push.send_multipart([b"junk", b"x"])  # malformed
+        send((0, 0, 0), 1, good)
+        send((0, 0, 0), 1, torch.zeros(0), kind=zc.ACK)  # rank 1 got ours
+        comm.set_tag(0, 0)
+        recv = torch.full((4,), -1.0)
+        pending = comm.exchange({1: torch.ones(4)}, {1: recv})
+        pending.wait_all()
+        assert pending.lost == set() and torch.equal(recv, good)
+        assert comm.stats["bad"] == 2 and comm.stats["unknown"] == 1
+        assert pull.poll(2000)  # our data reached rank 1, then our ack of its message
+        kinds = []
+        while pull.poll(200):
+            kinds.append(zc._HEAD.unpack_from(pull.recv_multipart()[0])[3])
+        assert kinds == [zc.EXCHANGE, zc.ACK]
+        # round 1: rank 1 sends nothing: the link is lost after the link timeout, no error
+        comm.set_tag(1, 0)
+        start = time.monotonic()
+        pending = comm.exchange({1: torch.ones(4)}, {1: recv})
+        pending.wait_all()
+        assert pending.lost == {1} and time.monotonic() - start < 1.5
+        with pytest.raises(Exception, match="no collectives"):
+            comm.all_reduce_sum(torch.ones(1))
+    finally:
+        push.close(0)
+        pull.close(0)
+        ctx.term()
+        comm.close()
+
+
+def test_killed_peer_restarts_from_its_checkpoint_and_rejoins(tmp_path):
+    kill = [{"id": 2, "round": 2, "restart": 5}]
+    cfg = _config(tmp_path, link_timeout_s=0.5, faults={"kill": kill})
+    p2p = _cli("peers-local", str(cfg), "-n", "4", "--set", "rounds=30", timeout=120)
+    assert p2p.returncode == 0, p2p.stderr
+    run = tmp_path / "run"
+    assert "killed at round 2" in (run / "logs" / "2.txt").read_text()
+    rounds = [json.loads(x)["round"] for x in (run / "peers" / "2" / "links.jsonl").open()]
+    # it ran rounds 0-1, crashed, and came back at the others' round (>= 5), not at 2
+    assert rounds[:2] == [0, 1] and rounds[2] >= 5 and rounds[-1] == 29
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["peers_reporting"] == 8  # every peer reports the last round
+    peer2 = json.loads((run / "peers" / "2" / "summary.json").read_text())
+    assert peer2["round"] == 30
+
+
+@pytest.mark.parametrize(
+    ("peers", "message"),
+    [
+        ({0: "A", 2: "B"}, r"rank id\(s\) \[1\] missing"),
+        ({0: "A", 1: "A"}, "share the address"),
+        ({k: f"P{k}" for k in range(9)}, "9 processes but the run has 8 peers"),
+        ({0: "A", 1: "B"}, "did not answer within runtime.timeout_s"),  # 1 never starts
+        ({0: "A", 1: "B", "busy": 0}, "cannot listen on"),  # our port is taken
+    ],
+)
+def test_bad_peers_files_exit_2_with_one_line(tmp_path, capsys, peers, message):
+    ports = _ports(10)
+    names = {v: ports[i] for i, v in enumerate(sorted({str(v) for v in peers.values()}))}
+    table = {k: names[str(v)] for k, v in peers.items() if k != "busy"}
+    holder = None
+    if "busy" in peers:
+        holder = socket.socket()
+        host, port = table[0].split(":")
+        holder.bind((host, int(port)))
+        holder.listen()
+    f = tmp_path / "peers.yaml"
+    f.write_text(yaml.safe_dump(table))
+    cfg = _config(tmp_path, timeout_s=1)
+    try:
+        code = main(["peer", str(cfg), "--peers", str(f), "--id", "0", "--quiet"])
+    finally:
+        if holder is not None:
+            holder.close()
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert re.search(message, err), err
