@@ -4,7 +4,8 @@ Each compressor maps ``x`` ``(..., q)`` to a tensor of the same shape, compressi
 along the last axis independently, with E[C(x)] = x and E||C(x) - x||^2 <= omega ||x||^2.
 ``omega(q)`` is that bound for vectors of length q and ``bits(q)`` what one vector costs on the
 wire (a fixed-length code; floats count ``float_bits``). Randomness comes only from the
-``generator`` argument, so seeded runs repeat.
+``generator`` argument, or from ``u`` (uniforms shaped like ``x``) where the caller draws them
+itself (the federated runs draw them per (seed, client, round)), so seeded runs repeat.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ class Identity:
 
     float_bits: int = 64
 
-    def __call__(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, generator: torch.Generator | None = None, u=None
+    ) -> torch.Tensor:
         return x.clone()
 
     def omega(self, q: int) -> float:
@@ -65,11 +68,13 @@ class RandomDithering:
         if not self.norm >= 1:
             raise GossipError(f"norm: r must be >= 1 (or inf), got {self.norm}")
 
-    def __call__(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, generator: torch.Generator | None = None, u=None
+    ) -> torch.Tensor:
         s = float(self.levels)
         nrm = _norm(x, self.norm)
         safe = torch.where(nrm > 0, nrm, torch.ones_like(nrm))
-        u = torch.rand(x.shape, generator=generator, dtype=x.dtype)
+        u = torch.rand(x.shape, generator=generator, dtype=x.dtype) if u is None else u
         level = torch.floor(s * x.abs() / safe + u)
         out = (safe / s) * torch.sign(x) * level
         return torch.where(nrm > 0, out, torch.zeros_like(x))
@@ -112,13 +117,17 @@ class BlockQuantization:
             raise GossipError(f"blocks: lengths {self.blocks} do not sum to q = {q}")
         return list(self.blocks)
 
-    def __call__(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, generator: torch.Generator | None = None, u=None
+    ) -> torch.Tensor:
+        sizes = self.sizes(x.shape[-1])
+        u = torch.rand(x.shape, generator=generator, dtype=x.dtype) if u is None else u
         parts = []
-        for blk in torch.split(x, self.sizes(x.shape[-1]), dim=-1):
+        for blk, ub in zip(torch.split(x, sizes, dim=-1), torch.split(u, sizes, dim=-1)):
             nrm = _norm(blk, self.p)
             safe = torch.where(nrm > 0, nrm, torch.ones_like(nrm))
             prob = (blk.abs() / safe).clamp(max=1.0)
-            keep = torch.rand(blk.shape, generator=generator, dtype=x.dtype) < prob
+            keep = ub < prob
             parts.append(torch.where(keep, nrm * torch.sign(blk), torch.zeros_like(blk)))
         return torch.cat(parts, dim=-1)
 

@@ -1,10 +1,11 @@
 """FedEM, the naive baseline and VR-FedEM on a star, over all clients' statistics at once.
 
-Dieuleveut, Fort, Moulines, Robin (NeurIPS 2021), seed 001; digest ../shared/reference/
-fedem-expfam.md. Single process, no runtime: every function takes the hub's state and the
-clients' statistics as tensors with a leading client axis and returns the new state and a dict
-of diagnostics, so a hub rule can call them. Only the hub computes T; the statistics S it keeps
-are projected into T's domain after every step (the count is reported).
+Dieuleveut, Fort, Moulines, Robin, "Federated Expectation Maximization with heterogeneity
+mitigation and variance reduction" (NeurIPS 2021). Single process, no runtime: every function
+takes the hub's state and the clients' statistics as tensors with a leading client axis and
+returns the new state and a dict of diagnostics, so a hub rule can call them. Only the hub
+computes T; the statistics S it keeps are projected into T's domain after every step (the count
+is reported).
 
 Split for the runtime: a worker needs theta_k = T(S_k) (broadcast) and returns
 Quant(Delta_i); the hub needs the sum of the received Quant(Delta_i). :func:`fedem_hub_update`

@@ -1,0 +1,186 @@
+"""The EM workload (gossip_pfl.expfam.run) on the shared round loop: exact EM, the memory
+invariant, the gossip form on the server schedule, 1 process == 2 Gloo ranks, resume, bad input
+through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from _helpers import run_ranks
+
+from gossip_pfl.cli import main
+from gossip_pfl.config import load_config
+from gossip_pfl.expfam.data import gmm2d
+from gossip_pfl.expfam.run import ExpFamRun, build_model
+from gossip_pfl.runtime.comm import init_comm
+
+torch.set_num_threads(1)
+
+
+def _data():
+    return gmm2d(n=6, m=30, seed=1, sizes="unequal")  # 6 workers of 9..51 samples
+
+
+def _cfg(tmp, algorithm="fedem_em", rounds=6, schedule=None, **expfam):
+    base = {
+        "seed": 5,
+        "rounds": rounds,
+        "algorithm": {"name": algorithm},
+        "eval": {"every": 3},
+        "runtime": {"device": "cpu"},
+        "out": str(tmp),
+        "expfam": {"clients": 6, "samples": 30, "sizes": "unequal", "batch": 8, **expfam},
+    }
+    if schedule is not None:
+        base["schedule"] = schedule
+    return load_config(base=base)
+
+
+def _run(cfg, resume=False, comm=None):
+    run = ExpFamRun(cfg, dataset=_data(), comm=comm, log=lambda *a: None)
+    summary = run.run(resume=resume)
+    if comm is None:
+        run.comm.close()
+    return run, summary
+
+
+def test_uncompressed_full_participation_full_batch_gamma_one_is_exact_em(tmp_path):
+    cfg = _cfg(tmp_path, rounds=4, batch=0, gamma=1.0, alpha=0.5)
+    run, summary = _run(cfg)
+    data = _data()
+    model, theta0 = build_model(cfg.expfam, data)
+    mask = data.mask[..., None]
+    w = torch.as_tensor(data.weights)
+
+    def em_map(theta):  # sbar(theta) over all N samples, weighted by N_i / N
+        s = (model.sbar(theta, data.x) * mask).sum(1) / mask.sum(1)
+        return (w[:, None] * s).sum(0)
+
+    S = em_map(theta0(cfg.seed))
+    for _ in range(4):
+        S = em_map(model.T(S))
+    np.testing.assert_allclose(summary["statistics"], S.numpy(), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("algorithm", ["fedem_em", "vr_fedem"])
+def test_hub_memory_is_the_weighted_mean_of_the_workers(algorithm, tmp_path):
+    """V_k = sum_i (N_i / N) V_{k,i}, also under Bernoulli participation and compression."""
+    p = 0.5 if algorithm == "fedem_em" else 1.0
+    run, _ = _run(_cfg(tmp_path, algorithm, rounds=7, p=p, compressor="dithering", k_in=3))
+    w = torch.as_tensor(_data().weights)
+    np.testing.assert_allclose(run.hub["V"][0], (w[:, None] * run.V_i).sum(0), atol=1e-13)
+
+
+@pytest.mark.parametrize("algorithm", ["fedem_em", "vr_fedem"])
+def test_gossip_on_the_server_schedule_equals_the_star(algorithm, tmp_path):
+    opts = {"compressor": "block", "block": 3, "k_in": 4, "gamma": 0.2, "alpha": 0.3}
+    opts["p"] = 1.0 if algorithm == "vr_fedem" else 0.6
+    _, star = _run(_cfg(tmp_path / "star", algorithm, **opts))
+    gossip_name = "gossip_" + algorithm
+    _, gossip = _run(_cfg(tmp_path / "gossip", gossip_name, schedule={"graph": "server"}, **opts))
+    np.testing.assert_allclose(gossip["statistics"], star["statistics"], rtol=0, atol=1e-10)
+    for key in ("h_sq", "H_sq", "loglik"):
+        assert gossip[key] == pytest.approx(star[key], rel=1e-8, abs=1e-12)
+    assert gossip["bits_up"] > 0 and star["bits_up"] > 0
+
+
+def test_gossip_ring_keeps_the_memory_invariant_on_average(tmp_path):
+    """W_t is doubly stochastic: the peers' mean of their hub memories stays
+    sum_i (N_i / N) V_i (the star's invariant), whatever the peers disagree on."""
+    cfg = _cfg(tmp_path, "gossip_fedem_em", rounds=12, schedule={"graph": "ring",
+               "weights": "metropolis"}, p=0.8, compressor="dithering")  # fmt: skip
+    run, summary = _run(cfg)
+    w = torch.as_tensor(_data().weights)
+    np.testing.assert_allclose(run.hub["V"].mean(0), (w[:, None] * run.V_i).sum(0), atol=1e-12)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["consensus_distance"][0] > 0  # the peers' S differ on a ring
+    assert np.isfinite(summary["statistics"]).all()
+
+
+def _both_routes(tmp):
+    """Both runs share one process group (a second one on the same port would not start)."""
+    comm = init_comm("cpu", "auto", 60.0)
+    out = {}
+    for name, algorithm, schedule in [("star", "fedem_em", None),
+                                      ("ring", "gossip_fedem_em", {"graph": "ring"})]:  # fmt: skip
+        cfg = _cfg(f"{tmp}/{name}", algorithm, rounds=5, schedule=schedule, p=0.7,
+                   compressor="dithering", levels=2)  # fmt: skip
+        _, summary = _run(cfg, comm=comm)
+        out[name] = (summary["statistics"], summary["h_sq"], summary["bits_up"])
+    comm.close()
+    return out
+
+
+def test_one_process_and_two_gloo_ranks_give_the_same_statistics(tmp_path):
+    single = _both_routes(tmp_path / "one")
+    results = run_ranks(2, _both_routes, str(tmp_path / "two"), timeout=90)
+    for status, value in results:
+        assert status == "ok", value
+        for name, (S, h_sq, bits) in single.items():
+            np.testing.assert_allclose(value[name][0], S, rtol=0, atol=1e-10)
+            assert value[name][1] == pytest.approx(h_sq, rel=1e-9)
+            assert value[name][2] == bits
+
+
+@pytest.mark.parametrize("algorithm", ["fedem_em", "vr_fedem"])
+def test_resumed_run_ends_with_the_same_summary(algorithm, tmp_path):
+    opts = {"compressor": "dithering", "k_in": 4, "p": 0.7 if algorithm == "fedem_em" else 1.0}
+    _, straight = _run(_cfg(tmp_path / "a", algorithm, rounds=9, **opts))
+    _run(_cfg(tmp_path / "b", algorithm, rounds=6, **opts))
+    _, resumed = _run(_cfg(tmp_path / "b", algorithm, rounds=9, **opts), resume=True)
+    for key, value in straight.items():
+        if key != "wall_seconds":
+            assert resumed[key] == value, key
+    rows_a = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
+    rows_b = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    strip = lambda r: {k: v for k, v in json.loads(r).items() if not k.startswith("seconds")}  # noqa: E731
+    assert [strip(r) for r in rows_a] == [strip(r) for r in rows_b]
+
+
+def test_projection_is_counted_and_statistics_stay_finite(tmp_path):
+    """A large step with coarse quantization pushes S out of T's domain: projected, never NaN."""
+    cfg = _cfg(tmp_path, "naive_em", rounds=6, gamma=3.0, compressor="dithering", p=0.5)
+    _, summary = _run(cfg)
+    assert summary["projected"] > 0
+    assert np.isfinite(summary["statistics"]).all() and np.isfinite(summary["loglik"])
+
+
+def _config_file(tmp_path):
+    path = tmp_path / "em.yaml"
+    path.write_text("algorithm: {name: fedem_em}\nexpfam: {clients: 5, samples: 20}\n")
+    return str(path)
+
+
+def test_cli_run_prints_em_results(tmp_path, capsys):
+    args = ["run", _config_file(tmp_path), "--out", str(tmp_path / "run"), "--quiet",
+            "--set", "rounds=3"]  # fmt: skip
+    assert main(args) == 0
+    out = capsys.readouterr().out
+    assert "results (fedem_em" in out and "h_sq" in out and "bits_up" in out
+    assert (tmp_path / "run" / "plots" / "expfam.png").is_file()
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("expfam.p=0", "expfam.p"),
+        ("expfam.p=1.5", "expfam.p"),
+        ("expfam.levels=0", "expfam.levels"),
+        ("expfam.components=0", "expfam.components"),
+        ("expfam.rank=10", "expfam.rank"),
+        ("expfam.missing=0.95", "expfam.missing"),  # d = 2: most rows have nothing observed
+    ],
+)
+def test_bad_input_is_a_one_line_error_naming_the_key(override, key, tmp_path, capsys):
+    args = ["run", _config_file(tmp_path), "--out", str(tmp_path / "run"), "--set",
+            "expfam.clients=3", "--set", "expfam.samples=10", "--set", override]  # fmt: skip
+    if "rank" in override or "missing" in override:
+        args += ["--set", "expfam.data=lowrank", "--set", "expfam.model=imputation",
+                 "--set", "expfam.dim=2", "--set", "expfam.rank=1"]  # fmt: skip
+        args += ["--set", override]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and key in err[0], err
