@@ -130,6 +130,86 @@ class FedEMCNN(nn.Module):
         return batched_linear(h, params["fc2.weight"], params["fc2.bias"])
 
 
+class LeNet(nn.Module):
+    """LeNet as PeFLL uses it for clients (Scott, Zakerinia, Lampert): conv 5x5 16, max-pool,
+    conv 5x5 32, max-pool, dense 120 and 84 with ReLU, a linear head."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_outputs: int):
+        super().__init__()
+        if len(input_shape) != 3 or min(input_shape[1:]) < 16:
+            raise GossipError(
+                f"model 'lenet' needs images (C, H, W) of at least 16x16, the data has "
+                f"{tuple(input_shape)}"
+            )
+        c_in, height, width = input_shape
+        self.conv1 = nn.Conv2d(c_in, 16, 5)
+        self.conv2 = nn.Conv2d(16, 32, 5)
+        flat = 32 * (((height - 4) // 2 - 4) // 2) * (((width - 4) // 2 - 4) // 2)
+        self.fc1 = nn.Linear(flat, 120)
+        self.fc2 = nn.Linear(120, 84)
+        self.fc3 = nn.Linear(84, num_outputs)
+
+    def features(self, x: torch.Tensor) -> torch.Tensor:
+        """(N, C, H, W) -> the 84 ReLU features before the head."""
+        x = torch.max_pool2d(torch.relu(self.conv1(x)), 2)
+        x = torch.max_pool2d(torch.relu(self.conv2(x)), 2)
+        return torch.relu(self.fc2(torch.relu(self.fc1(x.flatten(1)))))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(self.features(x))
+
+    @staticmethod
+    def batched_forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """params {name: (L, M, *shape)}, x (L, B, C, H, W) -> logits (L, M, B, classes);
+        peers (and components) are convolution groups, as in :class:`FedEMCNN`."""
+        w1, w2 = params["conv1.weight"], params["conv2.weight"]
+        L, M = w1.shape[:2]
+        B = x.shape[1]
+        h = x.transpose(0, 1).flatten(1, 2)  # (B, L*C, H, W)
+        h = torch.conv2d(h, w1.flatten(0, 2), params["conv1.bias"].flatten(), groups=L)
+        h = torch.relu(torch.max_pool2d(h, 2))  # (B, L*M*16, ., .)
+        h = torch.conv2d(h, w2.flatten(0, 2), params["conv2.bias"].flatten(), groups=L * M)
+        h = torch.relu(torch.max_pool2d(h, 2))
+        h = h.reshape(B, L, M, -1).permute(1, 2, 0, 3)  # (L, M, B, features)
+        h = torch.relu(batched_linear(h, params["fc1.weight"], params["fc1.bias"]))
+        h = torch.relu(batched_linear(h, params["fc2.weight"], params["fc2.bias"]))
+        return batched_linear(h, params["fc3.weight"], params["fc3.bias"])
+
+
+class LeNetEmbedding(nn.Module):
+    """PeFLL's embedding network phi(x, y): LeNet on the image with the one-hot label broadcast
+    as ``num_classes`` extra input planes, its last layer 84 -> ``dim`` without a nonlinearity.
+    ``forward(x (N, C, H, W), y (N,)) -> (N, dim)``, one embedding per example."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, dim: int):
+        super().__init__()
+        c_in, height, width = input_shape
+        self.num_classes = num_classes
+        self.net = LeNet((c_in + num_classes, height, width), dim)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        planes = nn.functional.one_hot(y, self.num_classes).to(x.dtype)  # (N, C)
+        planes = planes[:, :, None, None].expand(-1, -1, *x.shape[2:])
+        return self.net(torch.cat([x, planes], dim=1))
+
+
+class LabelEmbedding(nn.Module):
+    """PeFLL's label-only embedding: one linear layer on the one-hot label (its CIFAR-100
+    choice); the descriptor is then a linear map of the client's label histogram."""
+
+    def __init__(self, input_shape: tuple[int, ...], num_classes: int, dim: int):
+        super().__init__()
+        self.num_classes = num_classes
+        self.fc = nn.Linear(num_classes, dim)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.fc(nn.functional.one_hot(y, self.num_classes).to(self.fc.weight.dtype))
+
+
+#: embedding networks phi(x, y) -> R^dim (PeFLL), by name
+EMBEDDINGS = {"lenet": LeNetEmbedding, "labels": LabelEmbedding}
+
+
 class NextCharLSTM(nn.Module):
     """The FedEM paper's Shakespeare model: token embedding, two LSTM layers, a linear head
     predicting the next character from the last position. Inputs are int64 token ids (N, L)."""
@@ -169,6 +249,7 @@ MODELS = {
     "linear": Linear,
     "mlp": MLP,
     "cnn": FedEMCNN,
+    "lenet": LeNet,
     "lstm": NextCharLSTM,
     "mobilenet_v2": mobilenet_v2,
 }

@@ -1,0 +1,564 @@
+"""PeFLL: a hub whose hypernetwork writes each client's model from the client's descriptor.
+
+Scott, Zakerinia, Lampert, "PeFLL: Personalized Federated Learning by Learning to Learn"
+(ICLR 2024). A client's descriptor is the mean embedding of its labelled data,
+``v(S) = mean_{(x, y) in S} phi(x, y; eta_v)``; the hub's hypernetwork turns it into a whole
+model, ``theta = h(v; eta_h)``. A round of PeFLL-train on the star, with its six message kinds::
+
+    hub -> client   embed_params     eta_v
+    client -> hub   descriptor       v_i = v(B_i; eta_v) on one batch B_i
+    hub -> client   client_model     theta_i = h(v_i; eta_h)
+    client -> hub   model_delta      dtheta_i after k local SGD steps from theta_i
+    hub -> client   descriptor_grad  g_v_i = (d theta_i / d v_i)^T (-dtheta_i)
+    client -> hub   embed_grad       (d v_i / d eta_v)^T g_v_i
+    hub             Adam on (eta_h, eta_v) with the participants' mean gradients
+
+``-dtheta_i`` stands in for the client's loss gradient at theta_i (for k = 1 plain step of
+size lr it is exactly lr times it), so the hub's step is first-order backpropagation through
+``h(v(B_i))`` split between the hub and the client. Clients keep nothing between rounds; the
+hub keeps both networks and their Adam state (:class:`PeFLLHub`, in checkpoints).
+PeFLL-predict (any client, unseen ones included) is the first half: descriptor from all the
+client's training data, one forward pass of h, no fine-tuning.
+
+Every step is batched over the round's clients: one forward and one vector-Jacobian product
+of h for all of them (``torch.func.vjp``), one call of the embedding network over all their
+batches, and the k local steps through the client model's batched layers. Clients are spread
+over ranks (:class:`~gossip_pfl.runtime.placement.Placement`); the hub lives on rank 0, and
+what it sends or receives travels by ``all_reduce_sum`` (the other ranks add zeros).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+from torch.func import functional_call, vjp
+
+from gossip_pfl import checkpoint
+from gossip_pfl.algorithms.rules import Inbox, Rule, State
+from gossip_pfl.config import RunConfig, to_dict
+from gossip_pfl.errors import GossipError
+from gossip_pfl.loop import RoundLoop
+from gossip_pfl.models import EMBEDDINGS, build_model
+from gossip_pfl.runtime.comm import init_comm
+from gossip_pfl.runtime.data import PaddedSplit, round_batches
+from gossip_pfl.runtime.participation import participant_count, sample_participants
+from gossip_pfl.runtime.placement import Placement
+from gossip_pfl.runtime.stack import BatchedForward, ParamLayout
+from gossip_pfl.runtime.threads import set_threads
+
+#: the message kinds of a training round, in protocol order
+KINDS = ("embed_params", "descriptor", "client_model", "model_delta", "descriptor_grad",
+         "embed_grad")  # fmt: skip
+#: what a checkpoint of a PeFLL run holds (clients hold nothing)
+CHECKPOINT_KEYS = ("rounds_done", "config", "hub", "times", "kind_bytes", "rows")
+_STREAM_STEPS, _STREAM_DESCRIPTOR = 0, 1  # separate minibatch streams per (peer, round)
+
+
+# ---- networks ------------------------------------------------------------------------------
+def check_emittable(model: nn.Module, model_name: str) -> None:
+    """The hypernetwork writes Linear and Conv2d weights and biases; anything else (a
+    recurrent cell, an embedding table, BatchNorm statistics) is a one-line error."""
+    for module_name, module in model.named_modules():
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        own += [n for n, _ in module.named_buffers(recurse=False)]
+        if not own:
+            continue
+        kind = type(module).__name__
+        if not isinstance(module, (nn.Linear, nn.Conv2d)) or set(own) - {"weight", "bias"}:
+            tensor = f"{module_name}.{own[0]}" if module_name else own[0]
+            raise GossipError(
+                f"config key 'model.name': the PeFLL hypernetwork cannot emit tensor "
+                f"'{tensor}' of model '{model_name}' (unknown tensor kind: {kind}); it writes "
+                "Linear and Conv2d weights and biases (e.g. model.name: lenet)"
+            )
+
+
+class HyperNetwork(nn.Module):
+    """h(v): an MLP ``l -> hidden -> ... -> hidden`` (ReLU), then one linear head per tensor
+    of the client model; ``forward(v (S, l)) -> (S, P)``, the flat parameters in the order of
+    the client model's :class:`ParamLayout`."""
+
+    def __init__(self, dim: int, layout: ParamLayout, hidden: int = 100, layers: int = 3):
+        super().__init__()
+        sizes = [dim] + [hidden] * layers
+        body: list[nn.Module] = []
+        for a, b in zip(sizes[:-1], sizes[1:]):
+            body += [nn.Linear(a, b), nn.ReLU()]
+        self.body = nn.Sequential(*body)
+        self.heads = nn.ModuleList(nn.Linear(hidden, size) for size in layout.sizes)
+
+    def forward(self, v: torch.Tensor) -> torch.Tensor:
+        z = self.body(v)
+        return torch.cat([head(z) for head in self.heads], dim=-1)
+
+
+class Functional:
+    """A module evaluated at a flat parameter vector (so the hub's state, its messages and
+    its Adam moments are all plain vectors)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.layout = ParamLayout(module)
+
+    def initial(self) -> torch.Tensor:
+        return self.layout.flatten(self.module)
+
+    def __call__(self, params, *args: torch.Tensor) -> torch.Tensor:
+        """The module at ``params``: a flat vector, or a dict of tensors by name."""
+        if isinstance(params, torch.Tensor):
+            params = self.layout.unflatten(params)
+        return functional_call(self.module, params, args)
+
+    def vjp(self, fn, flat: torch.Tensor, *args: torch.Tensor):
+        """``torch.func.vjp`` of ``fn(params, *args)`` with the parameters as separate
+        tensors, the gradient returned flat: differentiating the flat vector's views would
+        build a full-size zero buffer per tensor (slow for the hypernetwork's heads)."""
+        params = {k: v.contiguous() for k, v in self.layout.unflatten(flat).items()}
+        _, pull = vjp(fn, params, *args)
+
+        def pull_flat(cotangent: torch.Tensor) -> tuple:
+            grads = pull(cotangent)
+            flat_grad = torch.cat([grads[0][k].reshape(-1) for k in self.layout.names])
+            return (flat_grad, *grads[1:])
+
+        return pull_flat
+
+
+def descriptors(embed: Functional, eta_v, x, y, w) -> torch.Tensor:
+    """v for A clients at once: x (A, B, *in), y (A, B), w (A, B) sample weights (0 on
+    padding) -> (A, l), the weighted mean embedding of each client's samples."""
+    A, B = y.shape
+    phi = embed(eta_v, x.flatten(0, 1), y.flatten()).view(A, B, -1)
+    return (phi * w[..., None]).sum(1) / w.sum(1, keepdim=True).clamp_min(1)
+
+
+# ---- the hub's state and update ------------------------------------------------------------
+@dataclass(frozen=True)
+class PeFLLHub(Rule):
+    """The hub's rule, optax-style: ``state = init(eta_h, eta_v)``, ``state = update(inbox,
+    state)``. ``inbox.mean`` holds the participants' mean gradients ``hyper_grad`` and
+    ``embed_grad``; each is clipped to norm ``clip``, gets the objective's
+    ``2 lambda ||eta||^2`` term and takes an Adam step (``torch.optim.Adam`` with
+    ``weight_decay = 2 lambda``). The state also holds the descriptor normalization."""
+
+    lr: float = 2e-4
+    clip: float = 50.0
+    lambda_h: float = 1e-3
+    lambda_v: float = 1e-3
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    name = "pefll"
+
+    def init(self, eta_h: torch.Tensor, eta_v: torch.Tensor) -> State:
+        z = eta_h.new_zeros(())
+        return {
+            "eta_h": eta_h.clone(), "m_h": torch.zeros_like(eta_h), "s_h": torch.zeros_like(eta_h),
+            "eta_v": eta_v.clone(), "m_v": torch.zeros_like(eta_v), "s_v": torch.zeros_like(eta_v),
+            "step": z.clone(),
+            # v -> (v - shift) / scale, set from the first descriptor the hub receives
+            "desc_shift": z.clone(), "desc_scale": z + 1, "desc_set": z.clone(),
+        }  # fmt: skip
+
+    def update(self, inbox: Inbox, state: State) -> State:
+        step = int(state["step"].item()) + 1
+        bias1, bias2 = 1 - self.beta1**step, (1 - self.beta2**step) ** 0.5
+        new = {**state, "step": state["step"] + 1}
+        for net, lam in (("h", self.lambda_h), ("v", self.lambda_v)):
+            eta = state[f"eta_{net}"]
+            g = inbox.mean["hyper_grad" if net == "h" else "embed_grad"]
+            if self.clip:  # as clip_grad_norm_: scale by clip / (norm + 1e-6) when above
+                g = g * (self.clip / (g.norm() + 1e-6)).clamp(max=1.0)
+            g = g.add(eta, alpha=2 * lam)
+            # fresh tensors, updated in place: few temporaries for the 8.7M-entry hypernetwork
+            m = state[f"m_{net}"].mul(self.beta1).add_(g, alpha=1 - self.beta1)
+            s = state[f"s_{net}"].mul(self.beta2).addcmul_(g, g, value=1 - self.beta2)
+            denom = s.sqrt().div_(bias2).add_(self.eps)
+            new[f"eta_{net}"] = eta.addcdiv(m, denom, value=-self.lr / bias1)
+            new[f"m_{net}"], new[f"s_{net}"] = m, s
+        return new
+
+    @staticmethod
+    def normalize(state: State, v: torch.Tensor) -> State:
+        """Fix the descriptor normalization from ``v[0]`` (the first descriptor the hub
+        receives: the public code's choice) unless it is already set."""
+        if state["desc_set"].item():
+            return state
+        std = v[0].std() if v.shape[1] > 1 else v.new_ones(())
+        std = torch.where(std > 0, std, torch.ones_like(std))
+        return {**state, "desc_shift": v[0].mean(), "desc_scale": std, "desc_set": std * 0 + 1}
+
+
+def hub_models(hyper: Functional, state: State, v: torch.Tensor, eta_h=None) -> torch.Tensor:
+    """theta = h((v - shift) / scale; eta_h) for every row of v (S, l) -> (S, P)."""
+    eta_h = state["eta_h"] if eta_h is None else eta_h
+    return hyper(eta_h, (v - state["desc_shift"]) / state["desc_scale"])
+
+
+# ---- the workload --------------------------------------------------------------------------
+class PeFLLRun(RoundLoop):
+    """PeFLL-train rounds on the shared loop; evaluation is PeFLL-predict for every client."""
+
+    summary_keys = ("test_accuracy", "test_accuracy_p10", "train_accuracy",
+                    "unseen_test_accuracy", "bytes_per_round", "rounds",
+                    "wall_seconds")  # fmt: skip
+
+    def __init__(self, cfg: RunConfig, dataset=None, comm=None, log=print):
+        self.cfg, self.log, p = cfg, log, cfg.pefll
+        unseen = cfg.data.options.get("unseen_fraction", 0.0)
+        if isinstance(unseen, bool) or not isinstance(unseen, (int, float)) or not 0 <= unseen < 1:
+            raise GossipError(
+                f"config key 'data.unseen_fraction' must be in [0, 1) (got {unseen!r})"
+            )
+        rt = cfg.runtime
+        set_threads(getattr(rt, "threads", 0))  # before any torch work, as the Trainer
+        self.comm = comm or init_comm(rt.device, rt.backend, rt.timeout_s)
+        self.device = self.comm.device
+        if dataset is None:
+            from gossip_pfl.data import load_dataset
+
+            dataset = load_dataset(cfg.data.name, **cfg.data.options)
+        self.dataset = dataset
+        if dataset.task != "multiclass":
+            raise GossipError(
+                f"data.name '{dataset.name}': PeFLL's embedding reads class labels; the dataset's "
+                f"task is {dataset.task!r}, not multiclass"
+            )
+        held = set(getattr(dataset, "unseen", []) or [])
+        self.train_ids = np.array([i for i in range(len(dataset.clients)) if i not in held])
+        self.unseen_ids = np.array(sorted(held), dtype=np.int64)
+        n = self.n_peers = len(self.train_ids)
+        sizes = np.array([len(dataset.clients[i].y_train) for i in self.train_ids])
+        small = int(np.argmin(sizes))
+        if p.descriptor_batch > sizes[small]:
+            raise GossipError(
+                f"config key 'pefll.descriptor_batch' is {p.descriptor_batch} but client "
+                f"{self.train_ids[small]} has only {sizes[small]} training samples (the "
+                f"smallest); set it to at most {sizes[small]}"
+            )
+        self.dim = p.embed_dim or max(1, len(dataset.clients) // 4)
+        shape, C = tuple(dataset.input_shape), dataset.num_classes
+
+        model = build_model(cfg.model.name, shape, C, **cfg.model.options).to(self.device)
+        check_emittable(model, cfg.model.name)
+        self.layout = ParamLayout(model)
+        self.forward = BatchedForward(model, self.layout, rt.batching)
+        torch.manual_seed(cfg.seed * 1009 + 101)  # the hub's networks: from the seed alone
+        self.hyper = Functional(HyperNetwork(self.dim, self.layout, p.hidden, p.hidden_layers))
+        self.embed = Functional(EMBEDDINGS[p.embed](shape, C, self.dim))
+        self.hyper.module.to(self.device)
+        self.embed.module.to(self.device)
+        self.hub = PeFLLHub(p.lr, p.clip, p.lambda_h, p.lambda_v)
+        self.hub_state: State = {}
+        if self.comm.rank == 0:
+            self.hub_state = self.hub.init(self.hyper.initial(), self.embed.initial())
+
+        self.placement = Placement(n, self.comm.world_size, self.comm.rank)
+        self.peers = self.placement.peers
+        clients = [dataset.clients[self.train_ids[i]] for i in self.peers]
+        self.train = PaddedSplit.of(clients, "train", self.device)
+        self.test = PaddedSplit.of(clients, "test", self.device)
+        self.counts = sizes[self.peers]
+        self.unseen_pos = np.array_split(np.arange(len(self.unseen_ids)), self.comm.world_size)[
+            self.comm.rank
+        ]
+        held_here = [dataset.clients[self.unseen_ids[i]] for i in self.unseen_pos]
+        self.unseen_train = self.unseen_test = None
+        if held_here:
+            self.unseen_train = PaddedSplit.of(held_here, "train", self.device)
+            self.unseen_test = PaddedSplit.of(held_here, "test", self.device)
+        self.n_active = participant_count(cfg.participation, n)
+        P, Pv = self.layout.numel, self.embed.layout.numel
+        #: floats per message of each kind
+        self.kind_sizes = dict(zip(KINDS, (Pv, self.dim, P, P, self.dim, Pv)))
+        self.kind_bytes = dict.fromkeys(KINDS, 0)
+        self.times = {"local": 0.0, "exchange": 0.0}
+        self.round = 0
+        self.scratch: dict = {}  # within a round only: what the next message needs
+
+    # ---- transport: the hub (rank 0) and the clients (every rank) ------------------------
+    def from_hub(self, value: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+        """Hub -> clients: rank 0's ``value`` on every rank."""
+        if self.comm.world_size == 1:
+            return value
+        buf = value.clone() if self.comm.rank == 0 else torch.zeros(shape, device=self.device)
+        return self.comm.all_reduce_sum(buf)
+
+    def to_hub(self, rows: torch.Tensor, positions, total: int) -> torch.Tensor:
+        """Clients -> hub: this rank's ``rows`` (A, ...) put at ``positions`` of a (total, ...)
+        table, summed over ranks (every rank gets it; only the hub reads it)."""
+        full = torch.zeros((total, *rows.shape[1:]), dtype=rows.dtype, device=self.device)
+        full[torch.as_tensor(positions, dtype=torch.long, device=self.device)] = rows
+        return self.comm.all_reduce_sum(full)
+
+    def count(self, kind: str, messages: int) -> None:
+        self.kind_bytes[kind] += messages * self.kind_sizes[kind] * 4  # float32
+
+    # ---- one round, in named steps -------------------------------------------------------
+    def sample(self, t: int) -> np.ndarray:
+        return sample_participants(self.cfg.seed, t, self.n_peers, self.n_active)
+
+    def batches(self, rows: np.ndarray, t: int, stream: int, steps: int, batch: int):
+        """(idx (steps, A, B), weight) minibatches of this rank's peers ``rows`` in round t,
+        drawn from (seed, client, round, stream) alone."""
+        idx, w = round_batches(self.counts[rows], self.train_ids[self.peers[rows]],
+                               self.cfg.seed, t, batch, steps=steps, stream=stream)  # fmt: skip
+        return torch.as_tensor(idx, device=self.device), torch.as_tensor(w, device=self.device)
+
+    def local_work(self, t: int, active: np.ndarray | None = None) -> None:
+        """Forward half: eta_v down, descriptors up, the hub's models down; then each
+        participant's k local steps (the model delta is sent in ``communicate``)."""
+        p = self.cfg.pefll
+        active = np.ones(self.n_peers, dtype=bool) if active is None else active
+        part = np.flatnonzero(active)  # the round's clients, in peer order
+        rows = np.flatnonzero(active[self.peers])  # this rank's participants
+        pos = np.searchsorted(part, self.peers[rows])
+        S = len(part)
+        rows_t = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+
+        eta_v = self.from_hub(self.hub_state.get("eta_v"), (self.embed.layout.numel,))
+        self.count("embed_params", S)
+        idx, w = self.batches(rows, t, _STREAM_DESCRIPTOR, 1, p.descriptor_batch)
+        xd, yd = self.train.take(rows_t, idx[0])
+        with torch.no_grad():
+            v = descriptors(self.embed, eta_v, xd, yd, w[0])
+        v_all = self.to_hub(v, pos, S)
+        self.count("descriptor", S)
+        theta_all = None
+        if self.comm.rank == 0:  # the hub
+            if p.normalize:
+                self.hub_state = self.hub.normalize(self.hub_state, v_all)
+            with torch.no_grad():
+                theta_all = hub_models(self.hyper, self.hub_state, v_all)
+        theta_all = self.from_hub(theta_all, (S, self.layout.numel))
+        self.count("client_model", S)
+        if not torch.isfinite(theta_all).all():
+            raise GossipError(
+                f"round {t}: the hypernetwork's models became NaN/inf; lower pefll.lr "
+                f"(now {p.lr}) or pefll.client_lr (now {p.client_lr})"
+            )
+        theta = theta_all[torch.as_tensor(pos, dtype=torch.long, device=self.device)]
+        delta = self.local_steps(theta, rows, t) - theta
+        self.scratch = {"pos": pos, "S": S, "v_all": v_all, "eta_v": eta_v, "delta": delta,
+                        "descriptor_batch": (xd, yd, w[0])}  # fmt: skip
+
+    def local_steps(self, theta: torch.Tensor, rows: np.ndarray, t: int) -> torch.Tensor:
+        """k steps of SGD with momentum on every participant of this rank at once, on its
+        loss + lambda_theta ||theta||^2; ``theta`` (A, P) -> the models after them."""
+        p = self.cfg.pefll
+        if len(rows) == 0:
+            return theta
+        idx, w = self.batches(rows, t, _STREAM_STEPS, p.local_steps, p.batch_size)
+        rows_t = torch.as_tensor(rows, dtype=torch.long, device=self.device)
+        theta, buf = theta.clone(), torch.zeros_like(theta)
+        for s in range(p.local_steps):
+            x, y = self.train.take(rows_t, idx[s])
+            th = theta.detach().requires_grad_()
+            logits = self.forward(th[:, None], x)[:, 0]  # (A, B, C)
+            nll = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+            # each client's mean over its real samples; summed, so each gets its own gradient
+            loss = ((nll.view_as(y) * w[s]).sum(1) / w[s].sum(1).clamp_min(1)).sum()
+            (g,) = torch.autograd.grad(loss, th)
+            g = g + 2 * p.lambda_theta * theta
+            buf = p.momentum * buf + g
+            theta = theta - p.client_lr * buf
+        return theta.detach()
+
+    def communicate(self, t: int, active: np.ndarray | None = None) -> None:
+        """Backward half: deltas up, the hub's vector-Jacobian product through h, descriptor
+        gradients down, the clients' through their embedding, their gradients up, Adam."""
+        sc, self.scratch = self.scratch, {}
+        S, pos = sc["S"], sc["pos"]
+        delta_all = self.to_hub(sc["delta"], pos, S)
+        self.count("model_delta", S)
+        g_h = g_v_all = None
+        if self.comm.rank == 0:  # the hub: one VJP for all S clients, -delta as dL/dtheta
+            pull = self.hyper.vjp(lambda eh, v: hub_models(self.hyper, self.hub_state, v, eh),
+                                  self.hub_state["eta_h"], sc["v_all"])  # fmt: skip
+            g_h, g_v_all = pull(-delta_all)
+        g_v_all = self.from_hub(g_v_all, (S, self.dim))
+        self.count("descriptor_grad", S)
+        g_v = self.client_embed_grads(sc["eta_v"], *sc["descriptor_batch"], g_v_all[pos])
+        g_eta_v = self.comm.all_reduce_sum(g_v)  # every client's message, summed on arrival
+        self.count("embed_grad", S)
+        if self.comm.rank == 0:
+            inbox = Inbox({"hyper_grad": g_h / S, "embed_grad": g_eta_v / S})
+            self.hub_state = self.hub.update(inbox, self.hub_state)
+
+    def client_embed_grads(self, eta_v, x, y, w, g_v) -> torch.Tensor:
+        """The participants of this rank backpropagate their descriptor gradient (A, l)
+        through v(B_i; eta_v): the sum of their (Pv,) messages, in one batched VJP."""
+        if len(g_v) == 0:
+            return torch.zeros_like(eta_v)
+        pull = self.embed.vjp(lambda ev: descriptors(self.embed, ev, x, y, w), eta_v)
+        return pull(g_v)[0]
+
+    # ---- PeFLL-predict and evaluation -----------------------------------------------------
+    @torch.no_grad()
+    def full_descriptors(self, split: PaddedSplit, eta_v: torch.Tensor) -> torch.Tensor:
+        """Each row's descriptor from all its samples of ``split``: (rows, l)."""
+        total = torch.zeros(split.y.shape[0], self.dim, device=self.device)
+        for rows, _, x, y, m in split.chunks(4096):
+            phi = self.embed(eta_v, x.flatten(0, 1), y.flatten()).view(*y.shape, -1)
+            total.index_add_(0, rows, (phi * m[..., None]).sum(1))
+        return total / split.counts.clamp_min(1)[:, None].to(total.dtype)
+
+    @torch.no_grad()
+    def predict(self, train: PaddedSplit | None, positions, total: int) -> tuple:
+        """PeFLL-predict for ``total`` clients spread over ranks (this rank's at
+        ``positions``): their descriptors (total, l) and this rank's models (A, P)."""
+        eta_v = self.from_hub(self.hub_state.get("eta_v"), (self.embed.layout.numel,))
+        v = self.full_descriptors(train, eta_v) if train is not None else None
+        v = v if v is not None else torch.zeros(0, self.dim, device=self.device)
+        v_all = self.to_hub(v, positions, total)
+        theta = hub_models(self.hyper, self.hub_state, v_all) if self.comm.rank == 0 else None
+        theta = self.from_hub(theta, (total, self.layout.numel))
+        return v_all, theta[torch.as_tensor(positions, dtype=torch.long, device=self.device)]
+
+    def client_descriptors(self, which: str = "train") -> np.ndarray:
+        """Every training (or ``unseen``) client's descriptor from all its training data,
+        (clients, l) on every rank, before normalization (the descriptor analysis)."""
+        if which == "train":
+            v, _ = self.predict(self.train, self.peers, self.n_peers)
+        else:
+            v, _ = self.predict(self.unseen_train, self.unseen_pos, len(self.unseen_ids))
+        return v.cpu().numpy()
+
+    @torch.no_grad()
+    def scores(self, split: PaddedSplit, theta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-row (mean log-loss, accuracy) of models ``theta`` (A, P) on ``split``."""
+        correct = torch.zeros(theta.shape[0], dtype=torch.float64, device=self.device)
+        nll = torch.zeros_like(correct)
+        for rows, _, x, y, m in split.chunks(4096):
+            logits = self.forward(theta[rows][:, None], x)[:, 0]
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
+            nll.index_add_(0, rows, (loss.view_as(y) * m).sum(1).double())
+            correct.index_add_(0, rows, ((logits.argmax(-1) == y).float() * m).sum(1).double())
+        counts = split.counts.double().clamp_min(1)
+        return nll / counts, correct / counts
+
+    def evaluate(self, train, tests, positions, total) -> list[np.ndarray]:
+        """(loss, accuracy, count) arrays over ``total`` clients for each split in ``tests``;
+        keeps how far the predicted models spread (``self.spread``)."""
+        _, theta = self.predict(train, positions, total)
+        sums = torch.cat([theta.double().sum(0), theta.double().pow(2).sum().view(1)])
+        sums = self.comm.all_reduce_sum(sums)
+        mean = sums[:-1] / total  # (1/n) sum ||theta_i - mean||^2 = E||theta||^2 - ||mean||^2
+        self.spread = float(sums[-1] / total - mean.pow(2).sum())
+        out = []
+        for split in tests:
+            if split is None:
+                vals = [torch.zeros(0, dtype=torch.float64, device=self.device)] * 3
+            else:
+                vals = [*self.scores(split, theta), split.counts.double()]
+            out.append([self.to_hub(v.double(), positions, total).cpu().numpy() for v in vals])
+        return out
+
+    def metrics_row(self, t: int) -> dict:
+        (tr_loss, tr_acc, tr_n), (te_loss, te_acc, te_n) = self.evaluate(
+            self.train, [self.train, self.test], self.peers, self.n_peers
+        )
+        row = {
+            "round": t + 1,
+            "train_loss": _weighted(tr_loss, tr_n),
+            "train_accuracy": _weighted(tr_acc, tr_n),
+            "test_loss": float(np.mean(te_loss)),
+            "test_accuracy": float(np.mean(te_acc)),
+            "test_accuracy_weighted": _weighted(te_acc, te_n),
+            "test_accuracy_p10": float(np.percentile(te_acc, 10)),
+            # how personalized the hub's models are: mean ||theta_i - mean theta||^2
+            "consensus_distance": [self.spread],
+            "model_bytes": int(sum(self.kind_bytes.values())),
+            "model_bytes_by_kind": dict(self.kind_bytes),
+            "bytes_per_round": sum(self.kind_bytes.values()) / (t + 1),
+            "seconds_local": self.times["local"],
+            "seconds_exchange": self.times["exchange"],
+            "client_test_accuracy": [round(float(a), 5) for a in te_acc],
+        }
+        if len(self.unseen_ids):
+            ((_, acc, _),) = self.evaluate(self.unseen_train, [self.unseen_test],
+                                           self.unseen_pos, len(self.unseen_ids))  # fmt: skip
+            row["unseen_test_accuracy"] = float(np.mean(acc))
+            row["unseen_test_accuracy_p10"] = float(np.percentile(acc, 10))
+        return row
+
+    # ---- checkpoints ----------------------------------------------------------------------
+    def checkpoint(self, out: Path, rounds_done: int, rows: list) -> None:
+        """The hub's state (clients keep none), counters and rows, saved by rank 0."""
+        if self.comm.rank != 0:
+            return
+        checkpoint.save({
+            "rounds_done": rounds_done,
+            "config": to_dict(self.cfg),
+            "hub": {k: v.detach().cpu() for k, v in self.hub_state.items()},
+            "times": dict(self.times),
+            "kind_bytes": dict(self.kind_bytes),
+            "rows": rows,
+        }, out)  # fmt: skip
+
+    def restore(self, out: Path) -> tuple[int, list]:
+        where = f"--resume {out}"
+        state = checkpoint.load(out)
+        checkpoint.check_structure(state, self.n_peers, (), CHECKPOINT_KEYS, where=where)
+        hub = state["hub"]
+        fresh = self.hub.init(self.hyper.initial(), self.embed.initial())
+        if not isinstance(hub, dict) or set(hub) != set(fresh):
+            raise GossipError(f"{where}: checkpoint key 'hub' does not hold PeFLL's hub state")
+        for k, v in fresh.items():
+            if not isinstance(hub[k], torch.Tensor) or hub[k].shape != v.shape:
+                raise GossipError(
+                    f"{where}: checkpoint key 'hub.{k}' has shape "
+                    f"{tuple(getattr(hub[k], 'shape', ()))}, this run {tuple(v.shape)}"
+                )
+        diffs = checkpoint.config_differences(state["config"], to_dict(self.cfg))
+        if diffs:
+            raise GossipError(
+                f"{where}: the checkpoint was made with a different config "
+                f"(keys differ: {', '.join(diffs)})"
+            )
+        if state["rounds_done"] >= self.cfg.rounds:
+            raise GossipError(
+                f"{where}: the run already finished its {self.cfg.rounds} rounds "
+                "(raise 'rounds' with --set rounds=N to go on)"
+            )
+        if self.comm.rank == 0:
+            self.hub_state = {k: v.to(self.device) for k, v in hub.items()}
+        self.times = dict(state["times"])
+        self.kind_bytes = dict(state["kind_bytes"])
+        return state["rounds_done"], list(state["rows"])
+
+    def summary(self, last: dict, wall: float) -> dict:
+        keep = ("test_accuracy", "test_accuracy_p10", "test_accuracy_weighted", "train_accuracy",
+                "train_loss", "model_bytes", "bytes_per_round", "client_test_accuracy")  # fmt: skip
+        return {
+            "algorithm": "pefll",
+            "participation": self.n_active,
+            "rounds": self.cfg.rounds,
+            **{k: last[k] for k in keep},
+            "wall_seconds": wall,
+            "world_size": self.comm.world_size,
+            "torch_threads": torch.get_num_threads(),
+            **{k: v for k, v in last.items() if k.startswith("unseen_")},
+        }
+
+    def describe(self) -> str:
+        p = self.cfg.pefll
+        return (
+            f"pefll: a hub writes each client's model ({self.n_active} of {self.n_peers} "
+            f"clients a round, {len(self.unseen_ids)} unseen), embedding '{p.embed}' l = "
+            f"{self.dim} ({self.embed.layout.numel} parameters), hypernetwork "
+            f"{self.hyper.layout.numel} parameters -> client model '{self.cfg.model.name}' "
+            f"{self.layout.numel} parameters, k = {p.local_steps}, "
+            f"{self.placement.describe()}, device {self.device}"
+        )
+
+
+def _weighted(values: np.ndarray, counts: np.ndarray) -> float:
+    return float((values * counts).sum() / max(counts.sum(), 1))
+
+
+__all__ = ["PeFLLRun", "PeFLLHub", "HyperNetwork", "KINDS", "check_emittable", "descriptors"]

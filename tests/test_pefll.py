@@ -1,0 +1,242 @@
+"""PeFLL (gossip_pfl.algorithms.pefll): the split protocol against autograd through h(v(S)),
+stateless clients, the hub's Adam against torch.optim.Adam, checkpoints and resume, message
+bytes, 1 process against 2 Gloo ranks, and bad input through the CLI."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from _helpers import run_ranks
+from torch.func import functional_call
+
+from gossip_pfl import checkpoint
+from gossip_pfl.algorithms.pefll import PeFLLHub, PeFLLRun
+from gossip_pfl.algorithms.rules import Inbox
+from gossip_pfl.cli import main
+from gossip_pfl.config import load_config
+from gossip_pfl.data.base import ClientData, FederatedDataset
+from gossip_pfl.models import LabelEmbedding, LeNet, LeNetEmbedding, build_model
+from gossip_pfl.train import run
+
+torch.set_num_threads(1)
+
+
+def images(n: int = 8, classes: int = 4, side: int = 16, seed: int = 0) -> FederatedDataset:
+    """``n`` clients of 16x16 images, two classes each (class means plus noise), clients 6 and
+    7 unseen."""
+    rng = np.random.default_rng(seed)
+    means = rng.normal(size=(classes, 1, side, side)).astype(np.float32)
+    clients = []
+    for i in range(n):
+        own = [i % classes, (i + 1) % classes]
+
+        def draw(k, own=own):
+            y = rng.choice(own, size=k)
+            x = means[y] + 0.8 * rng.normal(size=(k, 1, side, side))
+            return x.astype(np.float32), y.astype(np.int64)
+
+        x, y = draw(20 + 3 * i)
+        xt, yt = draw(10)
+        clients.append(ClientData(x, y, x[:0], y[:0], xt, yt))
+    return FederatedDataset("imgs", clients, (1, side, side), classes, "multiclass", {}, [6, 7])
+
+
+def config(out, rounds=3, pefll=None, **over):
+    base = {
+        "seed": 5,
+        "rounds": rounds,
+        "algorithm": {"name": "pefll"},
+        "model": {"name": "lenet"},
+        "participation": 3,
+        "eval": {"every": rounds},
+        "out": str(out),
+        "runtime": {"device": "cpu"},
+        "pefll": {"local_steps": 3, "batch_size": 8, "descriptor_batch": 8, "embed_dim": 3,
+                  "lr": 1e-3, "client_lr": 0.05, **(pefll or {})},
+    }  # fmt: skip
+    return load_config(base={**base, **over})
+
+
+def quiet(*_a, **_k):
+    pass
+
+
+def one_round(r: PeFLLRun, t: int) -> None:
+    active = r.sample(t)
+    r.local_work(t, active)
+    r.communicate(t, active)
+
+
+class Recorder:
+    """The hub's rule, recording the inbox of every update."""
+
+    def __init__(self, hub):
+        self.hub, self.inboxes = hub, []
+        self.normalize = hub.normalize
+
+    def update(self, inbox, state):
+        self.inboxes.append(inbox)
+        return self.hub.update(inbox, state)
+
+
+@pytest.mark.parametrize("embed", ["lenet", "labels"])
+def test_hub_gradients_equal_autograd_through_h_of_v(embed, tmp_path):
+    """One plain SGD step (k = 1, no momentum, no lambda_theta): the model delta is -lr times
+    the client's loss gradient, so the split protocol's mean gradients must be lr times the
+    autograd gradient of mean_i f_i(h(v(B_i))) with respect to (eta_h, eta_v)."""
+    lr = 0.05
+    cfg = config(tmp_path, pefll={"local_steps": 1, "momentum": 0.0, "lambda_theta": 0.0,
+                                  "client_lr": lr, "embed": embed})  # fmt: skip
+    r = PeFLLRun(cfg, images(), log=quiet)
+    state0 = {k: v.clone() for k, v in r.hub_state.items()}
+    r.hub = Recorder(r.hub)
+    active = r.sample(0)
+    one_round(r, 0)
+    (inbox,) = r.hub.inboxes
+
+    # the truth: the networks as plain modules, composed and differentiated by autograd
+    hyper, emb = r.hyper.module, r.embed.module
+    eta_h = state0["eta_h"].clone().requires_grad_()
+    eta_v = state0["eta_v"].clone().requires_grad_()
+    shift, scale = r.hub_state["desc_shift"], r.hub_state["desc_scale"]
+    model = LeNet((1, 16, 16), 4)
+    rows = np.flatnonzero(active)
+    idx_d, w_d = r.batches(rows, 0, 1, 1, 8)
+    idx_s, w_s = r.batches(rows, 0, 0, 1, 8)
+    losses = []
+    for a, i in enumerate(rows):
+        x, y = r.train.x[i, idx_d[0, a]], r.train.y[i, idx_d[0, a]]
+        phi = functional_call(emb, r.embed.layout.unflatten(eta_v), (x, y))
+        v = phi.mean(0)  # the descriptor batch is full (8 <= every client's size)
+        theta = functional_call(hyper, r.hyper.layout.unflatten(eta_h), ((v - shift) / scale,))
+        params = r.layout.unflatten(theta)
+        xs, ys = r.train.x[i, idx_s[0, a]], r.train.y[i, idx_s[0, a]]
+        logits = functional_call(model, params, (xs,))
+        losses.append(torch.nn.functional.cross_entropy(logits, ys))
+    g_h, g_v = torch.autograd.grad(torch.stack(losses).mean(), (eta_h, eta_v))
+    torch.testing.assert_close(inbox.mean["hyper_grad"], lr * g_h, rtol=2e-4, atol=1e-7)
+    torch.testing.assert_close(inbox.mean["embed_grad"], lr * g_v, rtol=2e-4, atol=1e-7)
+    assert g_v.abs().sum() > 0 and g_h.abs().sum() > 0
+
+
+def test_hub_update_is_clipped_adam_with_l2():
+    """The hub's step is torch.optim.Adam(weight_decay = 2 lambda) after clip_grad_norm_."""
+    gen = torch.Generator().manual_seed(0)
+    eta_h, eta_v = torch.randn(7, generator=gen), torch.randn(4, generator=gen)
+    hub = PeFLLHub(lr=0.01, clip=1.5, lambda_h=0.1, lambda_v=0.02)
+    state = hub.init(eta_h, eta_v)
+    ref_h, ref_v = eta_h.clone().requires_grad_(), eta_v.clone().requires_grad_()
+    opts = [torch.optim.Adam([ref_h], lr=0.01, weight_decay=0.2),
+            torch.optim.Adam([ref_v], lr=0.01, weight_decay=0.04)]  # fmt: skip
+    for _ in range(4):
+        gh, gv = 3 * torch.randn(7, generator=gen), 0.1 * torch.randn(4, generator=gen)
+        state = hub.update(Inbox({"hyper_grad": gh, "embed_grad": gv}), state)
+        for p, g, opt in ((ref_h, gh, opts[0]), (ref_v, gv, opts[1])):
+            p.grad = g.clone()
+            torch.nn.utils.clip_grad_norm_([p], 1.5)
+            opt.step()
+    torch.testing.assert_close(state["eta_h"], ref_h.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(state["eta_v"], ref_v.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_clients_keep_no_state_between_rounds(tmp_path):
+    """Clients re-created every round (a fresh run object holding only the hub's state) give
+    the same hub state, bit for bit, as clients that live through all rounds."""
+    ds = images()
+    r = PeFLLRun(config(tmp_path), ds, log=quiet)
+    for t in range(3):
+        one_round(r, t)
+        assert r.scratch == {}  # nothing of the round outlives it
+    hub = PeFLLRun(config(tmp_path), ds, log=quiet).hub_state
+    for t in range(3):
+        fresh = PeFLLRun(config(tmp_path), ds, log=quiet)
+        fresh.hub_state = hub
+        one_round(fresh, t)
+        hub = fresh.hub_state
+    for k, v in r.hub_state.items():
+        assert torch.equal(v, hub[k]), k
+
+
+def test_message_bytes_match_tensor_sizes(tmp_path):
+    """Per round, S messages of each kind; each the size of the tensor it carries (float32)."""
+    rounds, S, l = 2, 3, 3
+    r = PeFLLRun(config(tmp_path, rounds=rounds), images(), log=quiet)
+    for t in range(rounds):
+        one_round(r, t)
+    P = sum(p.numel() for p in build_model("lenet", (1, 16, 16), 4).parameters())
+    Pv = sum(p.numel() for p in LeNetEmbedding((1, 16, 16), 4, l).parameters())
+    assert Pv == r.hub_state["eta_v"].numel() and P == r.layout.numel
+    per_message = {"embed_params": Pv, "descriptor": l, "client_model": P, "model_delta": P,
+                   "descriptor_grad": l, "embed_grad": Pv}  # fmt: skip
+    assert r.kind_bytes == {k: rounds * S * 4 * n for k, n in per_message.items()}
+    assert sum(p.numel() for p in LabelEmbedding((1,), 4, l).parameters()) == 4 * l + l
+
+
+def test_checkpoint_round_trip_and_resume(tmp_path):
+    """The hub's state round-trips the checkpoint; 2 rounds + resume to 4 ends with the
+    summary of 4 rounds straight."""
+    ds = images()
+    every = {"every": 2}
+    straight = run(config(tmp_path / "a", rounds=4, eval=every), ds, log=quiet)
+    cut = PeFLLRun(config(tmp_path / "b", rounds=2, eval=every), ds, log=quiet)
+    cut.run()
+    saved = checkpoint.load(tmp_path / "b")
+    assert saved["rounds_done"] == 2
+    for k, v in cut.hub_state.items():
+        assert torch.equal(saved["hub"][k], v), k
+    resumed = run(config(tmp_path / "b", rounds=4, eval=every), ds, log=quiet, resume=True)
+    for key in ("test_accuracy", "train_loss", "unseen_test_accuracy", "model_bytes",
+                "client_test_accuracy"):  # fmt: skip
+        assert resumed[key] == straight[key], key
+    rows = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(x)["round"] for x in rows] == [2, 4]
+
+
+def _summary(out: str) -> dict:
+    from gossip_pfl.runtime.comm import init_comm
+
+    cfg = config(out, rounds=3, eval={"every": 3})
+    return run(cfg, images(), comm=init_comm("cpu", "gloo"), log=quiet)
+
+
+def test_one_process_and_two_ranks_agree(tmp_path):
+    one = run(config(tmp_path / "w1", rounds=3), images(), log=quiet)
+    ranks = run_ranks(2, _summary, str(tmp_path / "w2"))
+    for status, value in ranks:
+        assert status == "ok", value
+    two = ranks[0][1]
+    assert two["world_size"] == 2 and ranks[1][1]["test_accuracy"] == two["test_accuracy"]
+    for key in ("test_accuracy", "train_loss", "unseen_test_accuracy", "train_accuracy"):
+        assert two[key] == pytest.approx(one[key], abs=1e-5), key
+    np.testing.assert_allclose(two["client_test_accuracy"], one["client_test_accuracy"], atol=1e-5)
+    assert two["model_bytes"] == one["model_bytes"]
+
+
+# ---- bad input: one line naming the key, exit 2 ---------------------------------------------
+FMNIST = """algorithm: {name: pefll}
+model: {name: lenet}
+data: {name: fashion_mnist, n_clients: 10, fraction: 0.02, unseen_fraction: 0.1,
+       partition: {kind: pathological, classes_per_client: 2}}
+runtime: {device: cpu}
+"""
+
+
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        (["pefll.embed_dim=0"], ["pefll.embed_dim", ">= 1"]),
+        (["data.unseen_fraction=1.5"], ["data.unseen_fraction", "[0, 1)"]),
+        (["pefll.descriptor_batch=500"], ["pefll.descriptor_batch", "client"]),
+        (["model.name=lstm"], ["model.name", "unknown tensor kind"]),
+    ],
+)
+def test_bad_input_is_one_line_exit_2(overrides, needles, tmp_path, capsys):
+    (tmp_path / "c.yaml").write_text(FMNIST)
+    sets = [a for o in overrides for a in ("--set", o)]
+    code = main(["run", str(tmp_path / "c.yaml"), *sets, "--out", str(tmp_path / "run"), "--quiet"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1, err
+    assert all(n in err[0] for n in needles), err[0]
