@@ -95,6 +95,61 @@ class RuleConfig:
 
 
 @dataclass
+class PeFLLConfig:
+    """PeFLL (Scott, Zakerinia, Lampert): the hub's hypernetwork and embedding network, and
+    the clients' local steps. Defaults are the paper's values and its public code's."""
+
+    embed: str = "lenet"  #: embedding network: lenet (image + label planes) | labels (linear)
+    embed_dim: int | None = None  #: descriptor length l (unset: n / 4 of all n clients)
+    hidden: int = 100  #: width of the hypernetwork's hidden layers
+    hidden_layers: int = 3  #: hidden ReLU layers before the heads (one linear head per tensor)
+    local_steps: int = 50  #: k, the clients' SGD steps on the model they receive
+    batch_size: int = 32  #: the clients' minibatch
+    descriptor_batch: int = 32  #: samples of the descriptor in training (all data at evaluation)
+    client_lr: float = 2.0e-3  #: the clients' SGD step size
+    momentum: float = 0.9  #: the clients' SGD momentum
+    lr: float = 2.0e-4  #: the hub's Adam step size (both networks)
+    clip: float = 50.0  #: the hub clips each network's gradient to this norm (0: no clipping)
+    lambda_h: float = 1.0e-3  #: weight of ||eta_h||^2 in the objective
+    lambda_v: float = 1.0e-3  #: weight of ||eta_v||^2
+    lambda_theta: float = 5.0e-5  #: weight of ||theta_i||^2 in the clients' loss
+    #: descriptors are shifted and scaled by the mean and std of the first one the hub receives
+    normalize: bool = True
+
+
+@dataclass
+class ExpFamConfig:
+    """Federated EM in sufficient-statistic space (gossip_pfl.expfam; algorithms fedem_em,
+    naive_em, vr_fedem and their gossip forms): the data, the model and the algorithm's
+    options. Clients take part with probability ``p`` (not the key 'participation')."""
+
+    data: str = "gmm2d"  #: gmm2d | fashion_mnist | lowrank (NaN marks missing entries)
+    clients: int = 100  #: n workers
+    samples: int = 100  #: samples per worker (the mean with sizes: unequal; fashion_mnist 0: all)
+    sizes: str = "equal"  #: equal | unequal (worker i holds about 2 m (i+1)/(n+1))
+    #: gmm2d: each worker's share of component 0: iid (1/2 each) | mixed (its own, uniform in
+    #: [0.1, 0.9]) | sorted (the first half of the workers hold component 0 only, the rest 1)
+    split: str = "mixed"
+    dim: int = 10  #: lowrank: dimension d
+    missing: float = 0.2  #: lowrank: fraction of entries marked missing
+    pca: int = 20  #: fashion_mnist: principal components kept
+    model: str = "gmm_shared"  #: gmm_shared | gmm_diag | imputation (low-rank Gaussian)
+    components: int = 2  #: G, mixture components
+    rank: int = 2  #: r, the imputation model's rank (< dimension)
+    compressor: str = "identity"  #: identity | dithering | block
+    levels: int = 1  #: dithering: s levels
+    norm: float = 2.0  #: dithering: the norm r
+    block: int = 8  #: block: block length
+    block_norm: float = 2.0  #: block: the block's norm p
+    p: float = 1.0  #: each worker takes part in a round with probability p (Bernoulli)
+    gamma: float = 0.01  #: step size on S
+    alpha: float = 0.01  #: memory step size (theory: 1 / (1 + omega))
+    batch: int = 20  #: b, samples per worker and round (0: all)
+    k_in: int = 20  #: VR-FedEM: inner steps per outer loop
+    init_memory: str = "h"  #: V_{0,i}: h (h_i(S_0), the paper's) | zero
+
+
+@dataclass
 class EvalConfig:
     every: int = 10  #: evaluate every k rounds (and after the last)
     #: local epochs of plain SGD on a copy of each peer's model before it is evaluated
@@ -105,10 +160,27 @@ class EvalConfig:
 
 
 @dataclass
+class FaultsConfig:
+    """Fault injection for peer-to-peer runs (``runtime.transport: zmq``; docs/p2p.md),
+    seeded so that a fault run repeats."""
+
+    drop: float = 0.0  #: probability that a link between two processes is down in an exchange
+    ack_drop: float = 0.0  #: probability that an acknowledgement is lost (the ends may disagree)
+    seed: int | None = None  #: seed of the draws (unset: the run's seed)
+    #: processes that crash: a list of {id: K, round: R, restart: R2}; K exits at the start of
+    #: round R, and ``gossip-pfl peers-local`` restarts it once the others reach round R2
+    kill: list = field(default_factory=list)
+
+
+@dataclass
 class RuntimeConfig:
     device: str = "auto"  #: auto | cpu | cuda
     backend: str = "auto"  #: auto | gloo | nccl
     batching: str = "auto"  #: auto | vmap | loop
+    #: float32 | bf16: bf16 runs the model's forward (and so its backward) under bfloat16
+    #: autocast; losses, gradients and parameters stay float32. Helps convolutional models on
+    #: a GPU (tensor cores); on a CPU it may be slower. The closed-form linear step is float32.
+    precision: str = "float32"
     timeout_s: float = 300.0  #: a rank waits this long for a dead peer before failing
     metrics_every: int = 1  #: ignored, kept so older run configs load (metrics follow eval.every)
     step_chunk: int = 0  #: samples per forward in a local step, all peers (0: model's hint or all)
@@ -118,6 +190,18 @@ class RuntimeConfig:
     #: CUDA only: deterministic kernels (cuDNN, cuBLAS, scatter-adds), so a rerun with the same
     #: seed gives the same numbers; false lets cuDNN pick its fastest algorithms by timing
     deterministic: bool = True
+    #: torch threads of each rank (0: OMP_NUM_THREADS if set, else the cores this process may
+    #: use divided by torchrun's LOCAL_WORLD_SIZE; gossip_pfl/runtime/threads.py)
+    threads: int = 0
+    #: torch (one process, or torchrun ranks) | zmq (peer-to-peer processes started by
+    #: ``gossip-pfl peer``; docs/p2p.md)
+    transport: str = "torch"
+    #: zmq: the peers file (YAML: process id -> host:port), relative to the config file
+    peers: str | None = None
+    #: zmq: an exchange waits this long for a neighbour before the link is dropped for that
+    #: round (its weight goes to the diagonal); unset: timeout_s
+    link_timeout_s: float | None = None
+    faults: FaultsConfig = field(default_factory=FaultsConfig)  #: zmq: fault injection
 
 
 @dataclass
@@ -132,6 +216,8 @@ class RunConfig:
     check_schedule: bool = True
     rule: RuleConfig = field(default_factory=RuleConfig)
     line_search: LineSearchConfig = field(default_factory=LineSearchConfig)
+    pefll: PeFLLConfig = field(default_factory=PeFLLConfig)
+    expfam: ExpFamConfig = field(default_factory=ExpFamConfig)
     #: clients per round: a count (int) or a fraction in (0, 1]; sampled from (seed, round)
     participation: Any = 1.0
     #: weights of the hub's average: size (n_i over the sampled set) | uniform
@@ -261,6 +347,10 @@ def load_config(
             graph = data["schedule"].get("graph")
             if isinstance(graph, str) and (Path(path).parent / graph).is_file():
                 data["schedule"] = {**data["schedule"], "graph": str(Path(path).parent / graph)}
+        rt = data.get("runtime")
+        peers = rt.get("peers") if isinstance(rt, dict) else None
+        if isinstance(peers, str) and not Path(peers).is_absolute():  # so is the peers file
+            data["runtime"] = {**data["runtime"], "peers": str(Path(path).parent / peers)}
     data = apply_overrides(data, list(overrides))
     cfg = from_dict(RunConfig, data)
     validate(cfg)
@@ -293,6 +383,7 @@ def validate(cfg: RunConfig) -> None:
         (cfg.eval.unseen_em in ("converge", "one_step"), "eval.unseen_em", "converge|one_step"),
         (cfg.runtime.metrics_every >= 1, "runtime.metrics_every", "must be >= 1"),
         (cfg.runtime.step_chunk >= 0, "runtime.step_chunk", "must be >= 0 (0: automatic)"),
+        (cfg.runtime.threads >= 0, "runtime.threads", "must be >= 0 (0: automatic)"),
         (cfg.eval.chunk >= 0, "eval.chunk", "must be >= 0 (0: automatic)"),
         (cfg.runtime.timeout_s > 0, "runtime.timeout_s", "must be > 0"),
         (cfg.checkpoint_every >= 0, "checkpoint_every", "must be >= 0"),
@@ -319,6 +410,9 @@ def validate(cfg: RunConfig) -> None:
         (ls.eta_max > 0, "line_search.eta_max", "must be > 0"),
         (ls.max_trials >= 1, "line_search.max_trials", "must be >= 1"),
         (ls.reset in ("grow", "keep", "max"), "line_search.reset", "must be grow|keep|max"),
+        *_pefll_checks(cfg.pefll),
+        *_transport_checks(cfg.runtime),
+        *_expfam_checks(cfg),
     ]  # fmt: skip
     for ok, key, msg in checks:
         if not ok:
@@ -334,6 +428,93 @@ def validate(cfg: RunConfig) -> None:
             f"algorithm '{a.name}' needs a schedule: set 'schedule' to a topology spec or a "
             "schedule YAML path (e.g. schedule: {graph: ring, weights: metropolis})"
         )
+
+
+def _transport_checks(rt: RuntimeConfig) -> list[tuple[bool, str, str]]:
+    f = rt.faults
+    return [
+        (rt.transport in ("torch", "zmq"), "runtime.transport", "must be torch|zmq"),
+        (rt.link_timeout_s is None or rt.link_timeout_s > 0, "runtime.link_timeout_s",
+         "must be > 0 (unset: timeout_s)"),
+        (0 <= f.drop < 1, "runtime.faults.drop", "must be in [0, 1)"),
+        (0 <= f.ack_drop < 1, "runtime.faults.ack_drop", "must be in [0, 1)"),
+        (all(_is_kill(k) for k in f.kill), "runtime.faults.kill",
+         "must be a list of {id: K, round: R, restart: R2 > R (optional)} with K, R >= 0"),
+        (rt.transport == "zmq" or not (f.drop or f.ack_drop or f.kill), "runtime.faults",
+         "needs runtime.transport zmq (torch.distributed stops at a lost link)"),
+    ]  # fmt: skip
+
+
+def _is_kill(entry) -> bool:
+    def count(v):
+        return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+    if not isinstance(entry, dict) or set(entry) - {"id", "round", "restart"}:
+        return False
+    restart = entry.get("restart")
+    return (
+        count(entry.get("id"))
+        and count(entry.get("round"))
+        and (restart is None or (count(restart) and restart > entry["round"]))
+    )
+
+
+def _pefll_checks(p: PeFLLConfig) -> list[tuple[bool, str, str]]:
+    return [
+        (p.embed in ("lenet", "labels"), "pefll.embed", "must be lenet|labels"),
+        (p.embed_dim is None or p.embed_dim >= 1, "pefll.embed_dim",
+         "must be >= 1 (the descriptor length; unset: n / 4)"),
+        (p.hidden >= 1, "pefll.hidden", "must be >= 1"),
+        (p.hidden_layers >= 1, "pefll.hidden_layers", "must be >= 1"),
+        (p.local_steps >= 1, "pefll.local_steps", "must be >= 1"),
+        (p.batch_size >= 1, "pefll.batch_size", "must be >= 1"),
+        (p.descriptor_batch >= 1, "pefll.descriptor_batch", "must be >= 1"),
+        (p.client_lr > 0, "pefll.client_lr", "must be > 0"),
+        (0 <= p.momentum < 1, "pefll.momentum", "must be in [0, 1)"),
+        (p.lr > 0, "pefll.lr", "must be > 0"),
+        (p.clip >= 0, "pefll.clip", "must be >= 0 (0: no clipping)"),
+        (p.lambda_h >= 0, "pefll.lambda_h", "must be >= 0"),
+        (p.lambda_v >= 0, "pefll.lambda_v", "must be >= 0"),
+        (p.lambda_theta >= 0, "pefll.lambda_theta", "must be >= 0"),
+    ]  # fmt: skip
+
+
+def _expfam_checks(cfg: RunConfig) -> list[tuple[bool, str, str]]:
+    e = cfg.expfam
+    dim = {"gmm2d": 2, "fashion_mnist": e.pca}.get(e.data, e.dim)
+    models = ("gmm_shared", "gmm_diag", "imputation")
+    return [
+        (e.data in ("gmm2d", "fashion_mnist", "lowrank"), "expfam.data",
+         "must be gmm2d|fashion_mnist|lowrank"),
+        (e.clients >= 1, "expfam.clients", "must be >= 1"),
+        (e.samples >= 1 or (e.samples == 0 and e.data == "fashion_mnist"), "expfam.samples",
+         "must be >= 1 (0: all images, fashion_mnist only)"),
+        (e.sizes in ("equal", "unequal"), "expfam.sizes", "must be equal|unequal"),
+        (e.split in ("iid", "mixed", "sorted"), "expfam.split", "must be iid|mixed|sorted"),
+        (e.dim >= 2, "expfam.dim", "must be >= 2"),
+        (0 <= e.missing < 1, "expfam.missing", "must be in [0, 1)"),
+        (1 <= e.pca <= 784, "expfam.pca", "must be in 1..784"),
+        (e.model in models, "expfam.model", "must be " + "|".join(models)),
+        (e.model == "imputation" or e.data != "lowrank", "expfam.model",
+         "must be imputation for data lowrank (it has missing entries)"),
+        (e.components >= 1, "expfam.components", "must be >= 1 (G, the mixture components)"),
+        (e.model != "imputation" or 1 <= e.rank < dim, "expfam.rank",
+         f"must be in 1..{dim - 1} (below the data's dimension {dim})"),
+        (e.compressor in ("identity", "dithering", "block"), "expfam.compressor",
+         "must be identity|dithering|block"),
+        (e.levels >= 1, "expfam.levels", "must be >= 1 (s, the dithering levels)"),
+        (e.norm >= 1, "expfam.norm", "must be >= 1"),
+        (e.block >= 1, "expfam.block", "must be >= 1"),
+        (e.block_norm >= 1, "expfam.block_norm", "must be >= 1"),
+        (0 < e.p <= 1, "expfam.p", "must be in (0, 1]"),
+        (e.p == 1 or "vr_fedem" not in cfg.algorithm.name, "expfam.p",
+         "must be 1 for VR-FedEM (full participation)"),
+        (e.gamma > 0, "expfam.gamma", "must be > 0"),
+        (0 < e.alpha <= 1, "expfam.alpha", "must be in (0, 1]"),
+        (e.batch >= 0, "expfam.batch", "must be >= 0 (0: all samples)"),
+        (e.k_in >= 1, "expfam.k_in", "must be >= 1"),
+        (e.init_memory in ("h", "zero"), "expfam.init_memory", "must be h|zero"),
+    ]  # fmt: skip
 
 
 def _floats(cfg, prefix: str = ""):

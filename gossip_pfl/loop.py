@@ -63,6 +63,14 @@ class RoundLoop:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def progress_fields(self, row: dict) -> dict[str, str]:
+        """The progress line's figures from a metrics row (a workload may show others)."""
+        return {
+            "loss": f"{row['train_loss']:.4f}",
+            "acc": f"{row['test_accuracy']:.4f}",
+            "consensus": f"{max(row['consensus_distance']):.3g}",
+        }
+
     def _clock(self) -> float:
         """perf_counter once the device has finished its queued work: CUDA kernels and NCCL
         transfers run asynchronously, and would otherwise be charged to the next phase."""
@@ -74,7 +82,8 @@ class RoundLoop:
     def run(self, resume: bool = False) -> dict:
         cfg = self.cfg
         out = Path(cfg.out)
-        is_main = self.comm.rank == 0
+        # peer to peer (no collectives): every process writes its own run folder
+        is_main = self.comm.rank == 0 or not getattr(self.comm, "collectives", True)
         first, rows = 0, []
         if resume:
             first, rows = self.restore(out)
@@ -108,7 +117,7 @@ class RoundLoop:
                             rundir.write(out / "metrics.jsonl", partial(rundir.append_row, row=row))
                         except GossipError as err:
                             write_error = err
-                    progress.report(t, row)
+                    progress.report(t, self.progress_fields(row))
                 progress.tick()
                 # SIGTERM / SIGINT on any rank, or rank 0 could not write
                 stop = self._agreed(signals.received, write_error)
@@ -131,7 +140,7 @@ class RoundLoop:
         """The signal any rank received this round (0: none), the same on every rank, so that
         all of them write the checkpoint and stop after the same round; a write that failed on
         rank 0 ends every rank with a one-line error (not a lost peer on the others)."""
-        if self.comm.world_size == 1:
+        if self.comm.world_size == 1 or not getattr(self.comm, "collectives", True):
             if write_error is not None:
                 raise write_error
             return signum

@@ -31,14 +31,10 @@ class Progress:
         if self.bar is not None:
             self.bar.update(1)
 
-    def report(self, t: int, row: dict) -> None:
+    def report(self, t: int, fields: dict[str, str]) -> None:
+        """Show round ``t``'s headline figures (the workload's ``progress_fields``)."""
         if not self.enabled:
             return
-        fields = {
-            "loss": f"{row['train_loss']:.4f}",
-            "acc": f"{row['test_accuracy']:.4f}",
-            "consensus": f"{max(row['consensus_distance']):.3g}",
-        }
         if self.bar is not None:
             self.bar.set_postfix(fields, refresh=False)
         else:

@@ -23,15 +23,15 @@ import torch
 from gossip_pfl import checkpoint
 from gossip_pfl.algorithms import AlgorithmSpec, build_solver, build_surrogate, get_algorithm
 from gossip_pfl.algorithms.losses import num_outputs, sample_loss
-from gossip_pfl.algorithms.mixture import fit_mixture_weights
+from gossip_pfl.algorithms.mixture import MixtureSurrogate, fit_mixture_weights
 from gossip_pfl.algorithms.rules import Inbox, build_rule
 from gossip_pfl.config import RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop
 from gossip_pfl.metrics import recovery_entry
 from gossip_pfl.models import build_model
-from gossip_pfl.runtime.comm import init_comm, set_cuda_numerics
-from gossip_pfl.runtime.data import PaddedSplit, round_batches
+from gossip_pfl.runtime.comm import comm_from_config, set_cuda_numerics
+from gossip_pfl.runtime.data import PaddedSplit, linear_round, round_batches, step_plan
 from gossip_pfl.runtime.exchange import Exchanger, weight_by_size
 from gossip_pfl.runtime.messages import Bundle
 from gossip_pfl.runtime.participation import (
@@ -43,6 +43,7 @@ from gossip_pfl.runtime.participation import (
 from gossip_pfl.runtime.placement import Placement
 from gossip_pfl.runtime.solver import LocalArmijo, LocalSGD
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout, init_components
+from gossip_pfl.runtime.threads import set_threads
 from topologies import MixingSchedule, TopologyError
 from topologies.analysis import check_mixing
 
@@ -117,7 +118,10 @@ class Trainer(RoundLoop):
         self.cfg, self.log = cfg, log
         self.spec = get_algorithm(cfg.algorithm.name)
         rt = cfg.runtime
-        self.comm = comm or init_comm(rt.device, rt.backend, rt.timeout_s)
+        self.threads = set_threads(rt.threads)  # before any torch work (first log line)
+        self.comm = comm or comm_from_config(rt)
+        # False in a peer-to-peer world: metrics, checks and checkpoints stay per process
+        self.collectives = getattr(self.comm, "collectives", True)
         self.device = self.comm.device
         if self.device.type == "cuda":
             set_cuda_numerics(rt.tf32, rt.deterministic)
@@ -153,14 +157,16 @@ class Trainer(RoundLoop):
 
         model = model_fn().to(self.device)
         self.layout = ParamLayout(model)
-        self.forward = BatchedForward(model, self.layout, rt.batching)
+        self.forward = BatchedForward(model, self.layout, rt.batching, rt.precision)
         self.task = task
         # Samples per batched call (0 in the config: the model's CPU hint, else no limit for
         # steps and 16384 for evaluation). On a GPU bigger calls are better, so no hint there.
         hint = getattr(model, "samples_per_call", None)
         hint = hint(self.M) if hint is not None and self.device.type == "cpu" else 0
         self.step_chunk = rt.step_chunk or hint
-        self.eval_chunk = cfg.eval.chunk or hint or 16384
+        # the closed-form linear model holds M * C floats per sample: a million samples a call
+        wide = 1 << 20 if self.forward.closed_form else 16384
+        self.eval_chunk = cfg.eval.chunk or hint or wide
 
         # The round protocol: who takes part, the rule, and the route its messages take.
         self.sizes = sizes
@@ -168,6 +174,12 @@ class Trainer(RoundLoop):
         self.n_active = participant_count(cfg.participation, n)
         self.rule = build_rule(cfg.rule.name or self.spec.rule, cfg.rule, n)
         self.route = self._route()
+        if not self.collectives and self.route not in ("gossip", "none"):
+            raise GossipError(
+                f"algorithm '{cfg.algorithm.name}' (rule {self.rule.name}) needs a hub or "
+                "gathers every peer's update; runtime.transport zmq runs gossip schedules only "
+                "(dsgd, dfedem, local)"
+            )
         self.client = self.rule.client_part()
         # Shared state: (local nodes, M, P); rows past L are auxiliary nodes (an aggregating hub).
         n_nodes = n + 1 if self.route == "star" else n
@@ -327,36 +339,43 @@ class Trainer(RoundLoop):
             counts, self.train_ids[self.peers], self.cfg.seed, t, a.batch_size, epochs, steps,
             stream,
         )  # fmt: skip
-        # Only the peers still in their epoch take part in a step (small peers finish early),
-        # and its batch is cut to the longest real one: padding is front-to-back, and costs.
-        # Worked out on the host and uploaded once per round: on a GPU a per-step nonzero()
-        # would stop the host at every step.
-        filled = weight.sum(-1)  # (S, L) real samples of each peer's batch at step s
-        widths = filled.max(-1).astype(np.int64).tolist()
-        active_rows = [np.flatnonzero(f > 0) for f in filled]
-        all_rows = np.concatenate(active_rows or [np.empty(0, dtype=np.int64)])
-        step_rows = torch.as_tensor(all_rows, device=self.device).split(
-            [len(r) for r in active_rows]
-        )
-        self.steps_taken.copy_(torch.as_tensor((filled > 0).sum(0), device=self.device))
-        idx = torch.as_tensor(idx, device=self.device)
-        weight = torch.as_tensor(weight, device=self.device)
+        self.steps_taken.copy_(torch.as_tensor((weight.sum(-1) > 0).sum(0), device=self.device))
+        plain = self.solver.plain and self.client is None and not self.track_loss
+        plain = plain and not self.line_search
+        if plain and self._fused_linear():  # six operations a step (stack.linear_sgd_round)
+            neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_host
+            qe = None if q is None else q.expand(L, self.M, -1)  # (L, M, N)
+            plan = linear_round(idx, weight, self.train, neg, a.batch_size, qe)
+            self.forward.linear_sgd_round(theta, self.train.augmented, plan)
+            self._record_plain_eta(opt_state, factor, bool(plan.rows))
+            return
+        plan = step_plan(idx, weight, self.train.y.shape[1], self.device)
         anchor = theta.clone() if self.solver.prox_mu else None
-        q = q.expand(L, self.M, -1) if q is not None else None
-        for s in range(idx.shape[0]):
-            rows = step_rows[s]
-            if len(rows) == 0:
-                continue
-            # every peer in the step (the big early ones): a slice makes theta, q and the
-            # optimizer state views instead of copies
-            sel = slice(None) if len(rows) == L else rows
-            b_idx, b_w = idx[s, sel, : widths[s]], weight[s, sel, : widths[s]]  # (A, B')
-            x, y = self.train.take(rows, b_idx)
+        qt = None
+        if q is not None:  # (L * N, M): a step's responsibilities are one index_select
+            qt = q.expand(L, self.M, -1).transpose(1, 2).reshape(-1, self.M)
+        # plain SGD (no momentum, decay, proximal term or correction): theta -= c g in one
+        # scatter-add per step, the step size c of every peer worked out once per round
+        if plain:
+            neg_step = -(self.solver.lr * factor) * self.lr_scale[:, None, None]  # (L, 1, 1)
+        for st in plan:
+            rows, sel = st.rows, st.sel
+            A, width = st.shape
+            x, y = self.train.take_flat(st.flat, st.shape)
             # the samples' weights: responsibilities (none: 1) times the padding mask, (A, M, B)
-            sw = b_w[:, None, :].expand(-1, self.M, -1)
-            if q is not None:
-                sw = torch.gather(q[sel], 2, b_idx[:, None, :].expand(-1, self.M, -1)) * sw
+            b_w = st.weight
+            if qt is None:
+                sw = b_w[:, None, :].expand(-1, self.M, -1)
+            else:
+                sw = qt.index_select(0, st.flat).view(A, width, self.M) * b_w[..., None]
+                sw = sw.transpose(1, 2)
             grad, loss = self.surrogate.shared_grad(self, theta[sel], personal, rows, x, y, sw)
+            if plain:
+                if isinstance(sel, slice):
+                    theta.add_(neg_step * grad)
+                else:
+                    theta.index_add_(0, rows, neg_step[rows] * grad)
+                continue
             extra = {}
             if self.track_loss or self.line_search:
                 # the loss is normalized by the nominal batch size (the released FedEM code's
@@ -376,6 +395,30 @@ class Trainer(RoundLoop):
 
                 extra.update(loss=loss, loss_at=loss_at, batches=self.batches_per_epoch[sel])
             self.solver.step(theta, grad, opt_state, sel, self.lr_scale, factor, anchor, **extra)
+        if plain:
+            self._record_plain_eta(opt_state, factor, bool(plan))
+
+    def _record_plain_eta(self, opt_state, factor: float, stepped: bool) -> None:
+        """The step size each peer took last (FedLi's clients send it), after plain SGD."""
+        if stepped:
+            took = self.steps_taken > 0
+            eta = (self.solver.lr * factor) * self.lr_scale.double()
+            opt_state.eta.copy_(torch.where(took, eta, opt_state.eta))
+
+    def _fused_linear(self) -> bool:
+        """The whole round's plain SGD steps in closed form (stack.linear_sgd_round): the
+        binary linear model, a loss without a personal part (FedEM, FedAvg, local, ...)."""
+        return (
+            self.forward.closed_form
+            and self.task == "binary"
+            and type(self.surrogate) is MixtureSurrogate
+        )
+
+    @property
+    def _lr_scale_host(self) -> np.ndarray:
+        if "_lr_scale_np" not in self.__dict__:
+            self._lr_scale_np = self.lr_scale.cpu().numpy()
+        return self._lr_scale_np
 
     def communicate(self, t: int, active: np.ndarray | None = None) -> None:
         """Deliver the peers' messages along the route and apply the rule: on the star, the
@@ -459,6 +502,7 @@ class Trainer(RoundLoop):
             # the first one is zeros, not garbage, in case a kernel reads it despite beta = 0
             spare = self._spare.pop(flat.shape, None)
             spare = torch.zeros_like(flat) if spare is None else spare
+            self.comm.set_tag(self.round, k)  # a p2p peer queues later phases, drops earlier
             plan = self.exchanger.plan(phase, keys[k] if keys else None)
             new = self.exchanger.mix(flat, plan, out=spare)
             self._spare[flat.shape], flat = flat, new
@@ -482,6 +526,8 @@ class Trainer(RoundLoop):
         """Every sample's loss under every component: (L, M, N_max), 0 on padding (training
         data by default)."""
         split = split or self.train
+        if self.forward.closed_form and self.task == "binary":
+            return self.forward.linear_losses(theta, split, self.eval_chunk)
         losses = torch.zeros(*theta.shape[:2], split.y.shape[1], device=self.device)
         for rows, sl, x, y, _ in split.chunks(self.eval_chunk):
             losses[rows, :, sl] = sample_loss(self.forward(theta[rows], x), y, self.task)
@@ -536,7 +582,7 @@ class Trainer(RoundLoop):
         for k, v in enumerate(values):
             # long even when empty: a rank holding no unseen client passes []
             full[k, torch.as_tensor(positions, dtype=torch.long, device=self.device)] = v.double()
-        return self.comm.all_reduce_sum(full).cpu().numpy()
+        return (self.comm.all_reduce_sum(full) if self.collectives else full).cpu().numpy()
 
     def evaluate(self, split: PaddedSplit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-peer (loss, accuracy, count) gathered as length-n arrays (training-peer order).
@@ -565,7 +611,8 @@ class Trainer(RoundLoop):
         bad = (~torch.isfinite(theta.view(theta.shape[0], -1))).any(-1)
         first = int(self.peers[bad.nonzero()[0, 0].item()]) + 1 if bad.any() else 0
         flag = torch.tensor([first], dtype=torch.float64, device=self.device)
-        worst = int(self.comm.all_reduce_sum(flag).item()) if self.comm.world_size > 1 else first
+        many = self.comm.world_size > 1 and self.collectives
+        worst = int(self.comm.all_reduce_sum(flag).item()) if many else first
         if worst:
             raise GossipError(
                 f"round {t}: the parameters of a peer (first: peer "
@@ -579,7 +626,8 @@ class Trainer(RoundLoop):
         full = torch.zeros((self.n_peers, *tensor.shape[1:]), dtype=tensor.dtype,
                            device=self.device)  # fmt: skip
         full[torch.as_tensor(self.peers, device=self.device)] = tensor
-        return self.comm.all_reduce_sum(full)
+        # peer to peer: this process's rows only (the others stay zero)
+        return self.comm.all_reduce_sum(full) if self.collectives else full
 
     def checkpoint(self, out: Path, rounds_done: int, rows: list) -> None:
         """Every peer's shared and private state, optimizer state and counters, saved by
@@ -600,7 +648,7 @@ class Trainer(RoundLoop):
             "traffic": self.traffic(),
             "rows": rows,
         }
-        if self.comm.rank == 0:
+        if self.comm.rank == 0 or not self.collectives:  # p2p: each process its own
             checkpoint.save(state, out)
 
     def _rule_state_rows(self) -> dict | None:
@@ -704,7 +752,8 @@ class Trainer(RoundLoop):
         sent = torch.zeros(2, self.comm.world_size, dtype=torch.float64, device=self.device)
         sent[0, self.comm.rank] = self.exchanger.bytes_sent
         sent[1, self.comm.rank] = self.exchanger.messages_sent
-        sent = self.comm.all_reduce_sum(sent).cpu().numpy().astype(np.int64)
+        sent = (self.comm.all_reduce_sum(sent) if self.collectives else sent).cpu()
+        sent = sent.numpy().astype(np.int64)
         return {
             "model_bytes": int(sum(self.kind_bytes.values())),
             "model_bytes_by_kind": {k: int(v) for k, v in self.kind_bytes.items()},
@@ -752,7 +801,8 @@ class Trainer(RoundLoop):
         return (
             f"{self.cfg.algorithm.name}: schedule {sched}, rule {self.rule.name}, "
             f"{self.placement.describe()}, M = {self.M}, {self.layout.numel} parameters per "
-            f"component, device {self.device}, local work {self.forward.describe()}"
+            f"component, device {self.device}, {self.threads}, "
+            f"local work {self.forward.describe()}"
         )
 
     def shared_parameters(self) -> np.ndarray:
@@ -770,7 +820,11 @@ def _weighted(values: np.ndarray, counts: np.ndarray) -> float:
 
 
 #: workload name (AlgorithmSpec.workload) -> "module:class", imported when a run uses it
-WORKLOADS: dict[str, str] = {"model": "gossip_pfl.train:Trainer"}
+WORKLOADS: dict[str, str] = {
+    "model": "gossip_pfl.train:Trainer",
+    "expfam": "gossip_pfl.expfam.run:ExpFamRun",
+    "pefll": "gossip_pfl.algorithms.pefll:PeFLLRun",
+}
 
 
 def workload_class(name: str) -> type[RoundLoop]:
@@ -786,7 +840,7 @@ def run(cfg: RunConfig, dataset=None, comm=None, log=print, resume: bool = False
     process group down, also when building the workload fails."""
     rt = cfg.runtime
     cls = workload_class(get_algorithm(cfg.algorithm.name).workload)
-    comm = comm or init_comm(rt.device, rt.backend, rt.timeout_s)
+    comm = comm or comm_from_config(rt)
     try:  # a config error found while building the workload must not leave the group alive
         return cls(cfg, dataset, comm, log).run(resume=resume)
     finally:

@@ -33,6 +33,10 @@ def _server(rule: str, summary: str, **kw) -> AlgorithmSpec:
     return AlgorithmSpec(True, "server", rule=rule, summary=summary, **kw)
 
 
+def _em(topology: str, rule: str, summary: str) -> AlgorithmSpec:
+    return AlgorithmSpec(True, topology, rule=rule, summary=summary, workload="expfam")
+
+
 ALGORITHMS: dict[str, AlgorithmSpec] = {
     "fedem": AlgorithmSpec(False, "server", summary="FedEM (Alg. 2) over the server schedule"),
     "dfedem": AlgorithmSpec(False, "given", summary="D-FedEM (Alg. 4) over any schedule"),
@@ -52,6 +56,16 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
     "fedli_lu": _server("fedli_lu", "FedLi-LU: SGD clients, capped Polyak server step"),
     "fedli_ls": _server("fedli_ls", "FedLi-LS: Armijo line search on clients", solver="armijo"),
     "scaffold": _server("scaffold", "SCAFFOLD (option II control variates)"),
+    # EM in sufficient-statistic space (Dieuleveut et al. 2021; gossip_pfl.expfam)
+    "fedem_em": _em("server", "em_memory", "FedEM in statistic space: memories, compression"),
+    "naive_em": _em("server", "em_naive", "compressed federated EM without memories"),
+    "vr_fedem": _em("server", "em_memory", "VR-FedEM: FedEM with the SPIDER estimator"),
+    "gossip_fedem_em": _em("given", "em_memory", "FedEM in statistic space over gossip (new)"),
+    "gossip_vr_fedem": _em("given", "em_memory", "VR-FedEM over gossip (new)"),
+    # PeFLL (Scott et al. 2024; gossip_pfl.algorithms.pefll): a hub's hypernetwork
+    "pefll": AlgorithmSpec(
+        True, "server", workload="pefll", summary="PeFLL: a hypernetwork writes each model"
+    ),
 }
 
 
