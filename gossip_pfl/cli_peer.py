@@ -171,6 +171,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
     read_yaml(args.config)  # a missing or malformed config fails here, naming it
     cfg = load_config(args.config, [*args.overrides, "runtime.transport=zmq"])
+    _check_workload(cfg)
     run_dir = Path(args.out or cfg.out)
     rt = cfg.runtime
     source = args.peers or rt.peers
@@ -228,6 +229,17 @@ def cmd_peer(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_workload(cfg: RunConfig) -> None:
+    """Peer processes run the model workload's gossip algorithms (PeerTrainer is a Trainer)."""
+    from gossip_pfl.algorithms import get_algorithm
+
+    if get_algorithm(cfg.algorithm.name).workload != "model":
+        raise GossipError(
+            f"runtime.transport zmq: algorithm '{cfg.algorithm.name}' is not a model-training "
+            "algorithm; peer processes run dsgd, dfedem and local (gossip schedules)"
+        )
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)  # signal 0: is it there (a zombie counts until its parent reaps it)
@@ -256,6 +268,7 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
         raise GossipError(f"-n must be >= 1 (got {args.n})")
     read_yaml(args.config)
     cfg = load_config(args.config, [*args.overrides, "runtime.transport=zmq"])
+    _check_workload(cfg)
     run_dir = Path(args.out or cfg.out)
     if (run_dir / "peers").exists():
         if not args.overwrite:
@@ -363,8 +376,14 @@ def merge(run_dir: str | Path) -> dict:
             )
         },  # fmt: skip
         **final,
+        # the slowest process's loop, evaluations included (as gossip-pfl run's)
         "wall_seconds": max(
-            (r[-1]["seconds_local"] + r[-1]["seconds_exchange"]) for r in per_process.values() if r
+            (
+                json.loads((f / "summary.json").read_text())["wall_seconds"]
+                for f in folders
+                if (f / "summary.json").is_file()
+            ),
+            default=float("nan"),
         ),  # fmt: skip
         "bytes_sent": last["bytes_sent"],
         "client_test_accuracy": last["client_test_accuracy"],

@@ -384,6 +384,8 @@ def validate(cfg: RunConfig) -> None:
         (cfg.runtime.metrics_every >= 1, "runtime.metrics_every", "must be >= 1"),
         (cfg.runtime.step_chunk >= 0, "runtime.step_chunk", "must be >= 0 (0: automatic)"),
         (cfg.runtime.threads >= 0, "runtime.threads", "must be >= 0 (0: automatic)"),
+        (cfg.runtime.precision in ("float32", "bf16"), "runtime.precision",
+         "must be float32|bf16"),
         (cfg.eval.chunk >= 0, "eval.chunk", "must be >= 0 (0: automatic)"),
         (cfg.runtime.timeout_s > 0, "runtime.timeout_s", "must be > 0"),
         (cfg.checkpoint_every >= 0, "checkpoint_every", "must be >= 0"),

@@ -63,6 +63,22 @@ class RoundLoop:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def check_resumable(self, state: dict, where: str) -> None:
+        """A loaded checkpoint can go on under this config: same keys, rounds left."""
+        from gossip_pfl.checkpoint import config_differences
+
+        diffs = config_differences(state.get("config", {}), to_dict(self.cfg))
+        if diffs:
+            raise GossipError(
+                f"{where}: the checkpoint was made with a different config "
+                f"(keys differ: {', '.join(diffs)})"
+            )
+        if state["rounds_done"] >= self.cfg.rounds:
+            raise GossipError(
+                f"{where}: the run already finished its {self.cfg.rounds} rounds "
+                "(raise 'rounds' with --set rounds=N to go on)"
+            )
+
     def progress_fields(self, row: dict) -> dict[str, str]:
         """The progress line's figures from a metrics row (a workload may show others)."""
         return {

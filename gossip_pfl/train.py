@@ -664,17 +664,7 @@ class Trainer(RoundLoop):
         # keys, shapes, peer count and components, before any of this rank's state is touched
         checkpoint.check_structure(state, self.n_peers, tuple(self.nodes.shape[1:]),
                                    where=f"--resume {out}")  # fmt: skip
-        diffs = checkpoint.config_differences(state["config"], to_dict(self.cfg))
-        if diffs:
-            raise GossipError(
-                f"--resume {out}: the checkpoint was made with a different config "
-                f"(keys differ: {', '.join(diffs)})"
-            )
-        if state["rounds_done"] >= self.cfg.rounds:
-            raise GossipError(
-                f"--resume {out}: the run already finished its {self.cfg.rounds} rounds "
-                "(raise 'rounds' with --set rounds=N to go on)"
-            )
+        self.check_resumable(state, f"--resume {out}")
         idx = torch.as_tensor(self.peers)
         L = len(self.peers)
         self.nodes[:L] = state["shared"][idx].to(self.device)

@@ -5,13 +5,13 @@ dropped, counted or reported within the timeout."""
 from __future__ import annotations
 
 import os
-import socket
 import time
 
 import pytest
 import torch
 from _helpers import run_ranks
 
+from gossip_pfl.cli_peer import free_ports
 from gossip_pfl.errors import GossipError
 from gossip_pfl.runtime.comm import Comm, LocalComm, build_comm
 
@@ -20,15 +20,8 @@ zc = pytest.importorskip("gossip_pfl.runtime.zmq_comm")
 
 
 def _peers(n: int) -> dict[int, str]:
-    """n distinct free loopback ports (held open together while they are picked)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return {r: f"127.0.0.1:{s.getsockname()[1]}" for r, s in enumerate(socks)}
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct free loopback addresses, by rank."""
+    return {r: f"127.0.0.1:{port}" for r, port in enumerate(free_ports(n))}
 
 
 def _rows(rank: int, rnd: int) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from gossip_pfl.cli import main
+from gossip_pfl.cli_peer import free_ports
 
 zmq = pytest.importorskip("zmq")
 zc = pytest.importorskip("gossip_pfl.runtime.zmq_comm")
@@ -45,14 +46,8 @@ def _config(tmp_path: Path, **runtime) -> Path:
 
 
 def _ports(n: int) -> dict[int, str]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return {r: f"127.0.0.1:{s.getsockname()[1]}" for r, s in enumerate(socks)}
-    finally:
-        for s in socks:
-            s.close()
+    """n distinct free loopback addresses, by rank."""
+    return {r: f"127.0.0.1:{port}" for r, port in enumerate(free_ports(n))}
 
 
 def _cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:

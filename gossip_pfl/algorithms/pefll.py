@@ -215,7 +215,7 @@ class PeFLLRun(RoundLoop):
                 f"config key 'data.unseen_fraction' must be in [0, 1) (got {unseen!r})"
             )
         rt = cfg.runtime
-        set_threads(getattr(rt, "threads", 0))  # before any torch work, as the Trainer
+        self.threads = set_threads(rt.threads)  # before any torch work, as the Trainer
         self.comm = comm or init_comm(rt.device, rt.backend, rt.timeout_s)
         self.device = self.comm.device
         if dataset is None:
@@ -246,7 +246,7 @@ class PeFLLRun(RoundLoop):
         model = build_model(cfg.model.name, shape, C, **cfg.model.options).to(self.device)
         check_emittable(model, cfg.model.name)
         self.layout = ParamLayout(model)
-        self.forward = BatchedForward(model, self.layout, rt.batching)
+        self.forward = BatchedForward(model, self.layout, rt.batching, rt.precision)
         torch.manual_seed(cfg.seed * 1009 + 101)  # the hub's networks: from the seed alone
         self.hyper = Functional(HyperNetwork(self.dim, self.layout, p.hidden, p.hidden_layers))
         self.embed = Functional(EMBEDDINGS[p.embed](shape, C, self.dim))
@@ -514,17 +514,7 @@ class PeFLLRun(RoundLoop):
                     f"{where}: checkpoint key 'hub.{k}' has shape "
                     f"{tuple(getattr(hub[k], 'shape', ()))}, this run {tuple(v.shape)}"
                 )
-        diffs = checkpoint.config_differences(state["config"], to_dict(self.cfg))
-        if diffs:
-            raise GossipError(
-                f"{where}: the checkpoint was made with a different config "
-                f"(keys differ: {', '.join(diffs)})"
-            )
-        if state["rounds_done"] >= self.cfg.rounds:
-            raise GossipError(
-                f"{where}: the run already finished its {self.cfg.rounds} rounds "
-                "(raise 'rounds' with --set rounds=N to go on)"
-            )
+        self.check_resumable(state, where)
         if self.comm.rank == 0:
             self.hub_state = {k: v.to(self.device) for k, v in hub.items()}
         self.times = dict(state["times"])
@@ -553,7 +543,7 @@ class PeFLLRun(RoundLoop):
             f"{self.dim} ({self.embed.layout.numel} parameters), hypernetwork "
             f"{self.hyper.layout.numel} parameters -> client model '{self.cfg.model.name}' "
             f"{self.layout.numel} parameters, k = {p.local_steps}, "
-            f"{self.placement.describe()}, device {self.device}"
+            f"{self.placement.describe()}, device {self.device}, {self.threads}"
         )
 
 

@@ -266,7 +266,9 @@ def initial_params(x: torch.Tensor, G: int, diagonal: bool, generator=None) -> G
     x = torch.as_tensor(x, dtype=DTYPE)
     y = x.reshape(-1, x.shape[-1])
     if G > y.shape[0]:
-        raise GossipError(f"components: G = {G} exceeds the {y.shape[0]} examples")
+        raise GossipError(
+            f"config key 'expfam.components': G = {G} exceeds the {y.shape[0]} examples"
+        )
     pick = torch.randperm(y.shape[0], generator=generator)[:G]
     yc = y - y.mean(0)
     if diagonal:

@@ -49,6 +49,7 @@ from gossip_pfl.runtime.exchange import Exchanger
 from gossip_pfl.runtime.messages import Bundle
 from gossip_pfl.runtime.participation import star_phases
 from gossip_pfl.runtime.placement import Placement
+from gossip_pfl.runtime.threads import set_threads
 
 State = dict[str, torch.Tensor]
 
@@ -147,6 +148,12 @@ class ExpFamRun(RoundLoop):
                 "EM workers take part with probability expfam.p"
             )
         rt = cfg.runtime
+        if rt.precision != "float32":  # the closed forms need float64 (models.DTYPE)
+            raise GossipError(
+                f"config key 'runtime.precision' {rt.precision!r}: EM runs in float64; "
+                "leave it at float32"
+            )
+        self.threads = set_threads(rt.threads)  # before any torch work, as the Trainer
         self.comm = comm or init_comm(rt.device, rt.backend, rt.timeout_s)
         self.device = self.comm.device
         self.data = dataset if dataset is not None else build_data(e, cfg.seed)
@@ -434,7 +441,7 @@ class ExpFamRun(RoundLoop):
             f"{self.cfg.algorithm.name}: {where}, model {e.model} (q = {self.q}) on "
             f"{self.data.name} (N = {self.N}), compressor {e.compressor} (omega "
             f"{self.quant.omega(self.q):.3g}, {self.quant.bits(self.q)} bits a message), "
-            f"{self.placement.describe()}"
+            f"{self.placement.describe()}, {self.threads}"
         )
 
     # ---- checkpoints ----------------------------------------------------------------------
@@ -462,13 +469,7 @@ class ExpFamRun(RoundLoop):
     def restore(self, out: Path) -> tuple[int, list]:
         state = checkpoint.load(out)
         where = f"--resume {out}"
-        diffs = checkpoint.config_differences(state.get("config", {}), to_dict(self.cfg))
-        if diffs:
-            raise GossipError(f"{where}: the checkpoint was made with a different config "
-                              f"(keys differ: {', '.join(diffs)})")  # fmt: skip
-        if state["rounds_done"] >= self.cfg.rounds:
-            raise GossipError(f"{where}: the run already finished its {self.cfg.rounds} rounds "
-                              "(raise 'rounds' with --set rounds=N to go on)")  # fmt: skip
+        self.check_resumable(state, where)
         workers = state["workers"]
         if set(workers) != set(self._worker_state()) or workers["S"].shape != (
             self.n_peers,
