@@ -22,9 +22,10 @@ client's training data, one forward pass of h, no fine-tuning.
 
 Every step is batched over the round's clients: one forward and one vector-Jacobian product
 of h for all of them (``torch.func.vjp``), one call of the embedding network over all their
-batches, and the k local steps through the client model's batched layers. Clients are spread
-over ranks (:class:`~gossip_pfl.runtime.placement.Placement`); the hub lives on rank 0, and
-what it sends or receives travels by ``all_reduce_sum`` (the other ranks add zeros).
+batches (its backward one client at a time: each client's message is its own), and the k
+local steps through the client model's batched layers. Clients are spread over ranks
+(:class:`~gossip_pfl.runtime.placement.Placement`); the hub lives on rank 0, and what it sends
+or receives travels by ``all_reduce_sum`` (the other ranks add zeros).
 """
 
 from __future__ import annotations
@@ -383,7 +384,9 @@ class PeFLLRun(RoundLoop):
         g_v_all = self.from_hub(g_v_all, (S, self.dim))
         self.count("descriptor_grad", S)
         g_v = self.client_embed_grads(sc["eta_v"], *sc["descriptor_batch"], g_v_all[pos])
-        g_eta_v = self.comm.all_reduce_sum(g_v)  # every client's message, summed on arrival
+        # one message per client, summed on the hub in client order: any placement adds the
+        # same numbers in the same order
+        g_eta_v = self.to_hub(g_v, pos, S).sum(0)
         self.count("embed_grad", S)
         if self.comm.rank == 0:
             inbox = Inbox({"hyper_grad": g_h / S, "embed_grad": g_eta_v / S})
@@ -391,11 +394,16 @@ class PeFLLRun(RoundLoop):
 
     def client_embed_grads(self, eta_v, x, y, w, g_v) -> torch.Tensor:
         """The participants of this rank backpropagate their descriptor gradient (A, l)
-        through v(B_i; eta_v): the sum of their (Pv,) messages, in one batched VJP."""
-        if len(g_v) == 0:
-            return torch.zeros_like(eta_v)
-        pull = self.embed.vjp(lambda ev: descriptors(self.embed, ev, x, y, w), eta_v)
-        return pull(g_v)[0]
+        through v(B_i; eta_v): their messages (A, Pv), one VJP per client (a client's own
+        batch alone, so its message does not depend on who shares its rank)."""
+        out = eta_v.new_zeros((len(g_v), eta_v.numel()))
+        for a in range(len(g_v)):
+            one = slice(a, a + 1)
+            pull = self.embed.vjp(
+                lambda ev, one=one: descriptors(self.embed, ev, x[one], y[one], w[one]), eta_v
+            )
+            out[a] = pull(g_v[one])[0]
+        return out
 
     # ---- PeFLL-predict and evaluation -----------------------------------------------------
     @torch.no_grad()
