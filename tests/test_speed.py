@@ -149,5 +149,5 @@ def test_bf16_autocast_trains_and_stays_near_float32(tmp_path):
 def test_precision_is_validated(tmp_path):
     from gossip_pfl.errors import GossipError
 
-    with pytest.raises(GossipError, match="runtime.precision must be float32 or bf16"):
+    with pytest.raises(GossipError, match=r"'runtime\.precision' must be float32\|bf16"):
         cnn_trainer(tmp_path, "fp16")
