@@ -99,7 +99,7 @@ class RoundLoop:
         cfg = self.cfg
         out = Path(cfg.out)
         # peer to peer (no collectives): every process writes its own run folder
-        is_main = self.comm.rank == 0 or not getattr(self.comm, "collectives", True)
+        is_main = self.comm.rank == 0 or not self.comm.collectives
         first, rows = 0, []
         if resume:
             first, rows = self.restore(out)
@@ -156,7 +156,7 @@ class RoundLoop:
         """The signal any rank received this round (0: none), the same on every rank, so that
         all of them write the checkpoint and stop after the same round; a write that failed on
         rank 0 ends every rank with a one-line error (not a lost peer on the others)."""
-        if self.comm.world_size == 1 or not getattr(self.comm, "collectives", True):
+        if self.comm.world_size == 1 or not self.comm.collectives:
             if write_error is not None:
                 raise write_error
             return signum

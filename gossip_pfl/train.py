@@ -30,8 +30,15 @@ from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop
 from gossip_pfl.metrics import recovery_entry
 from gossip_pfl.models import build_model
-from gossip_pfl.runtime.comm import comm_from_config, set_cuda_numerics
-from gossip_pfl.runtime.data import PaddedSplit, linear_round, round_batches, step_plan
+from gossip_pfl.runtime.comm import comm_from_config, gather_rows, set_cuda_numerics
+from gossip_pfl.runtime.data import (
+    PaddedSplit,
+    RankData,
+    client_ids,
+    linear_round,
+    round_batches,
+    step_plan,
+)
 from gossip_pfl.runtime.exchange import Exchanger, weight_by_size
 from gossip_pfl.runtime.messages import Bundle
 from gossip_pfl.runtime.participation import (
@@ -121,7 +128,7 @@ class Trainer(RoundLoop):
         self.threads = set_threads(rt.threads)  # before any torch work (first log line)
         self.comm = comm or comm_from_config(rt)
         # False in a peer-to-peer world: metrics, checks and checkpoints stay per process
-        self.collectives = getattr(self.comm, "collectives", True)
+        self.collectives = self.comm.collectives
         self.device = self.comm.device
         if self.device.type == "cuda":
             set_cuda_numerics(rt.tf32, rt.deterministic)
@@ -130,9 +137,7 @@ class Trainer(RoundLoop):
 
             dataset = load_dataset(cfg.data.name, **cfg.data.options)
         self.dataset = dataset
-        unseen = set(getattr(dataset, "unseen", []) or [])
-        self.train_ids = np.array([i for i in range(len(dataset.clients)) if i not in unseen])
-        self.unseen_ids = np.array(sorted(unseen), dtype=np.int64)
+        self.train_ids, self.unseen_ids = client_ids(dataset)
         n = len(self.train_ids)
         sizes = np.array([len(dataset.clients[i].y_train) for i in self.train_ids])
         self.n_peers = n
@@ -199,19 +204,11 @@ class Trainer(RoundLoop):
         self.keep_start = self.rule.needs_theta or self.client is not None
 
         # Private state and data of this rank's peers.
-        clients = [dataset.clients[self.train_ids[i]] for i in self.peers]
-        self.train = PaddedSplit.of(clients, "train", self.device)
-        self.test = PaddedSplit.of(clients, "test", self.device)
-        self.counts = np.array([len(c.y_train) for c in clients])
-        # Unseen clients are spread over ranks too; they only evaluate.
-        self.unseen_pos = np.array_split(np.arange(len(self.unseen_ids)), self.comm.world_size)[
-            self.comm.rank
-        ]
-        held = [dataset.clients[self.unseen_ids[i]] for i in self.unseen_pos]
-        self.unseen_train = self.unseen_test = None
-        if held:
-            self.unseen_train = PaddedSplit.of(held, "train", self.device)
-            self.unseen_test = PaddedSplit.of(held, "test", self.device)
+        data = RankData.of(dataset, self.train_ids, self.unseen_ids, self.peers,
+                           self.comm.rank, self.comm.world_size, self.device)  # fmt: skip
+        self.train, self.test, self.unseen_pos = data.train, data.test, data.unseen_pos
+        self.unseen_train, self.unseen_test = data.unseen_train, data.unseen_test
+        self.counts = self.train.counts.cpu().numpy()
         a = cfg.algorithm
         self.surrogate = build_surrogate(cfg, self.spec, self.M, task)
         self.personal = self.surrogate.init_personal(self.train_ids[self.peers], theta0)
@@ -578,11 +575,8 @@ class Trainer(RoundLoop):
 
     def gather(self, values: list[torch.Tensor], positions, total: int) -> np.ndarray:
         """Rows computed on each rank -> (len(values), total) array on every rank."""
-        full = torch.zeros(len(values), total, dtype=torch.float64, device=self.device)
-        for k, v in enumerate(values):
-            # long even when empty: a rank holding no unseen client passes []
-            full[k, torch.as_tensor(positions, dtype=torch.long, device=self.device)] = v.double()
-        return (self.comm.all_reduce_sum(full) if self.collectives else full).cpu().numpy()
+        rows = torch.stack([v.double() for v in values], 1)  # (A, len(values))
+        return gather_rows(self.comm, rows, positions, total).T.cpu().numpy()
 
     def evaluate(self, split: PaddedSplit) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-peer (loss, accuracy, count) gathered as length-n arrays (training-peer order).
@@ -623,11 +617,7 @@ class Trainer(RoundLoop):
     # ---- checkpoints ----------------------------------------------------------------------
     def rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """A per-peer tensor (L, ...) of this rank -> (n, ...) in peer order on every rank."""
-        full = torch.zeros((self.n_peers, *tensor.shape[1:]), dtype=tensor.dtype,
-                           device=self.device)  # fmt: skip
-        full[torch.as_tensor(self.peers, device=self.device)] = tensor
-        # peer to peer: this process's rows only (the others stay zero)
-        return self.comm.all_reduce_sum(full) if self.collectives else full
+        return gather_rows(self.comm, tensor, self.peers, self.n_peers)
 
     def checkpoint(self, out: Path, rounds_done: int, rows: list) -> None:
         """Every peer's shared and private state, optimizer state and counters, saved by

@@ -82,3 +82,25 @@ def run_ranks(world: int, fn, *args, timeout: float = 120.0, env: dict | None = 
             f = Path(out_dir, f"{r}.pkl")
             results.append(pickle.loads(f.read_bytes()) if f.exists() else ("missing", p.exitcode))
         return results
+
+
+class Stopped(Exception):
+    """Raised by :func:`stop_after_checkpoint`'s run: it ended as a killed job would."""
+
+
+def stop_after_checkpoint(trainer, rounds_done: int) -> None:
+    """Run ``trainer`` and stop it right after its checkpoint of round ``rounds_done``, like a
+    job killed then: nothing after that checkpoint is written."""
+    original = trainer.checkpoint
+
+    def checkpoint_then_stop(out, done, rows):
+        original(out, done, rows)
+        if done == rounds_done:
+            raise Stopped
+
+    trainer.checkpoint = checkpoint_then_stop
+    try:
+        trainer.run()
+    except Stopped:
+        return
+    raise AssertionError(f"the run ended without a checkpoint after round {rounds_done}")

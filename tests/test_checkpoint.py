@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from _helpers import run_ranks, toy_dataset
+from _helpers import run_ranks, stop_after_checkpoint, toy_dataset
 
 from gossip_pfl.config import load_config
 from gossip_pfl.errors import GossipError
@@ -30,26 +30,13 @@ def cfg_for(out, rounds=6, **over):
     return load_config(base=base)
 
 
-class Stop(Exception):
-    pass
-
-
 def run_until(cfg, stop_after: int | None):
-    """Run, raising (like a killed job) right after round ``stop_after``'s checkpoint."""
+    """Run, stopping (like a killed job) right after round ``stop_after``'s checkpoint."""
     trainer = Trainer(cfg, dataset=toy_dataset(8), log=lambda *a: None)
     if stop_after is not None:
-        original = trainer.checkpoint
-
-        def checkpoint_then_stop(out, done, rows):
-            original(out, done, rows)
-            if done == stop_after:
-                raise Stop
-
-        trainer.checkpoint = checkpoint_then_stop
-    try:
-        trainer.run()
-    except Stop:
+        stop_after_checkpoint(trainer, stop_after)
         return None
+    trainer.run()
     return trainer.shared_parameters(), trainer.personal["pi"].cpu().numpy()
 
 

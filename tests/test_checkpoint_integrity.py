@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from _helpers import toy_dataset
+from _helpers import stop_after_checkpoint, toy_dataset
 
 from gossip_pfl import checkpoint
 from gossip_pfl.checkpoint import FILE, MAGIC, check_structure, load, save
@@ -329,23 +329,10 @@ def cfg_for(out, rounds=3, **over):
     return load_config(base=base)
 
 
-class Stop(Exception):
-    pass
-
-
 def run_two_rounds(out) -> Trainer:
     """Run a 3-round config and stop (like a killed job) after round 2's checkpoint."""
     trainer = Trainer(cfg_for(out), dataset=toy_dataset(8), log=lambda *a: None)
-    original = trainer.checkpoint
-
-    def checkpoint_then_stop(out, done, rows):
-        original(out, done, rows)
-        if done == 2:
-            raise Stop
-
-    trainer.checkpoint = checkpoint_then_stop
-    with pytest.raises(Stop):
-        trainer.run()
+    stop_after_checkpoint(trainer, 2)
     return trainer
 
 

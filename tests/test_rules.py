@@ -10,7 +10,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from _helpers import run_ranks, toy_dataset
+from _helpers import run_ranks, stop_after_checkpoint, toy_dataset
 
 from gossip_pfl.algorithms.rules import FedLiLU, Inbox, ServerOpt
 from gossip_pfl.cli import main
@@ -429,10 +429,6 @@ CHECKPOINTED = {
 }
 
 
-class Stop(Exception):
-    pass
-
-
 def _ckpt_cfg(out, name):
     over = dict(CHECKPOINTED[name])
     return cfg_for(out, over.pop("algorithm"), rounds=6, checkpoint_every=3,
@@ -443,17 +439,7 @@ def _ckpt_cfg(out, name):
 def test_rule_state_round_trips_a_checkpoint(name, tmp_path):
     full = trainer_for(_ckpt_cfg(tmp_path / "full", name))
     want = full.run()
-    cut = trainer_for(_ckpt_cfg(tmp_path / "cut", name))
-    original = cut.checkpoint
-
-    def checkpoint_then_stop(out, done, rows):
-        original(out, done, rows)
-        if done == 3:
-            raise Stop
-
-    cut.checkpoint = checkpoint_then_stop
-    with pytest.raises(Stop):
-        cut.run()
+    stop_after_checkpoint(trainer_for(_ckpt_cfg(tmp_path / "cut", name)), 3)
     resumed = trainer_for(_ckpt_cfg(tmp_path / "cut", name))
     got = resumed.run(resume=True)
     for key in ("test_accuracy", "train_loss", "train_accuracy"):

@@ -23,6 +23,8 @@ class Context(Protocol):
     forward: object  # BatchedForward: (theta (L, M, P), x (L, B, *in)) -> logits (L, M, B, C)
     task: str
     M: int
+    track_loss: bool  # the rule reads the last minibatch's loss (FedLi)
+    line_search: bool  # the solver evaluates the loss (Armijo)
 
     def train_losses(self, theta: torch.Tensor, split=None) -> torch.Tensor: ...
 
@@ -73,8 +75,8 @@ def weighted_loss_grad(ctx: Context, theta: torch.Tensor, x, y, sw, batch_size: 
     hundreds of MB through memory. Each piece is its own autograd leaf (a slice of one leaf
     would cost a full-size gradient per piece)."""
     fwd = ctx.forward
-    if getattr(fwd, "closed_form", False):  # the linear model: no autograd graph at all
-        need = getattr(ctx, "track_loss", True) or getattr(ctx, "line_search", True)
+    if fwd.closed_form:  # the linear model: no autograd graph at all
+        need = ctx.track_loss or ctx.line_search
         return fwd.loss_grad(theta, x, y, sw, ctx.task, batch_size, need_loss=need)
     grads, losses = [], []
     for sl in ctx.peer_pieces(theta.shape[0], x.shape[1]):

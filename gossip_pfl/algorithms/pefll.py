@@ -44,8 +44,8 @@ from gossip_pfl.config import RunConfig, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop
 from gossip_pfl.models import EMBEDDINGS, build_model
-from gossip_pfl.runtime.comm import init_comm
-from gossip_pfl.runtime.data import PaddedSplit, round_batches
+from gossip_pfl.runtime.comm import gather_rows, init_comm
+from gossip_pfl.runtime.data import PaddedSplit, RankData, client_ids, round_batches
 from gossip_pfl.runtime.participation import participant_count, sample_participants
 from gossip_pfl.runtime.placement import Placement
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout
@@ -229,9 +229,7 @@ class PeFLLRun(RoundLoop):
                 f"data.name '{dataset.name}': PeFLL's embedding reads class labels; the dataset's "
                 f"task is {dataset.task!r}, not multiclass"
             )
-        held = set(getattr(dataset, "unseen", []) or [])
-        self.train_ids = np.array([i for i in range(len(dataset.clients)) if i not in held])
-        self.unseen_ids = np.array(sorted(held), dtype=np.int64)
+        self.train_ids, self.unseen_ids = client_ids(dataset)
         n = self.n_peers = len(self.train_ids)
         sizes = np.array([len(dataset.clients[i].y_train) for i in self.train_ids])
         small = int(np.argmin(sizes))
@@ -260,18 +258,11 @@ class PeFLLRun(RoundLoop):
 
         self.placement = Placement(n, self.comm.world_size, self.comm.rank)
         self.peers = self.placement.peers
-        clients = [dataset.clients[self.train_ids[i]] for i in self.peers]
-        self.train = PaddedSplit.of(clients, "train", self.device)
-        self.test = PaddedSplit.of(clients, "test", self.device)
+        data = RankData.of(dataset, self.train_ids, self.unseen_ids, self.peers,
+                           self.comm.rank, self.comm.world_size, self.device)  # fmt: skip
+        self.train, self.test, self.unseen_pos = data.train, data.test, data.unseen_pos
+        self.unseen_train, self.unseen_test = data.unseen_train, data.unseen_test
         self.counts = sizes[self.peers]
-        self.unseen_pos = np.array_split(np.arange(len(self.unseen_ids)), self.comm.world_size)[
-            self.comm.rank
-        ]
-        held_here = [dataset.clients[self.unseen_ids[i]] for i in self.unseen_pos]
-        self.unseen_train = self.unseen_test = None
-        if held_here:
-            self.unseen_train = PaddedSplit.of(held_here, "train", self.device)
-            self.unseen_test = PaddedSplit.of(held_here, "test", self.device)
         self.n_active = participant_count(cfg.participation, n)
         P, Pv = self.layout.numel, self.embed.layout.numel
         #: floats per message of each kind
@@ -292,9 +283,7 @@ class PeFLLRun(RoundLoop):
     def to_hub(self, rows: torch.Tensor, positions, total: int) -> torch.Tensor:
         """Clients -> hub: this rank's ``rows`` (A, ...) put at ``positions`` of a (total, ...)
         table, summed over ranks (every rank gets it; only the hub reads it)."""
-        full = torch.zeros((total, *rows.shape[1:]), dtype=rows.dtype, device=self.device)
-        full[torch.as_tensor(positions, dtype=torch.long, device=self.device)] = rows
-        return self.comm.all_reduce_sum(full)
+        return gather_rows(self.comm, rows, positions, total)
 
     def count(self, kind: str, messages: int) -> None:
         self.kind_bytes[kind] += messages * self.kind_sizes[kind] * 4  # float32

@@ -44,7 +44,7 @@ from gossip_pfl.expfam.models import (
     initial_params,
 )
 from gossip_pfl.loop import RoundLoop
-from gossip_pfl.runtime.comm import init_comm
+from gossip_pfl.runtime.comm import gather_rows, init_comm
 from gossip_pfl.runtime.exchange import Exchanger
 from gossip_pfl.runtime.messages import Bundle
 from gossip_pfl.runtime.participation import star_phases
@@ -217,9 +217,7 @@ class ExpFamRun(RoundLoop):
     def rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
         """This rank's per-worker rows (L, ...) -> (n, ...) in worker order on every rank
         (disjoint rows summed with zeros: exact)."""
-        full = tensor.new_zeros((self.n_peers, *tensor.shape[1:]))
-        full[torch.as_tensor(self.peers, device=self.device)] = tensor
-        return self.comm.all_reduce_sum(full)
+        return gather_rows(self.comm, tensor, self.peers, self.n_peers)
 
     def weighted_sum(self, rows: torch.Tensor) -> torch.Tensor:
         """sum_i (N_i / N) rows_i over all workers, in worker order."""

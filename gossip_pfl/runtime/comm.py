@@ -155,6 +155,15 @@ def _first_line(err: BaseException) -> str:
     return text[0][:200] if text else type(err).__name__
 
 
+def gather_rows(comm: Comm, rows: torch.Tensor, positions, total: int) -> torch.Tensor:
+    """Each rank's ``rows`` (A, ...) put at ``positions`` of a (total, ...) table and summed
+    over ranks: every rank gets the whole table, exactly (disjoint rows plus zeros). Without
+    collectives (peer to peer) the table holds this process's rows only."""
+    full = rows.new_zeros((total, *rows.shape[1:]))
+    full[torch.as_tensor(positions, dtype=torch.long, device=rows.device)] = rows
+    return comm.all_reduce_sum(full) if comm.collectives else full
+
+
 def resolve_device(device: str) -> torch.device:
     """``auto`` picks CUDA when a GPU is visible, else CPU; asking for CUDA without one is an
     error. Under torchrun each rank uses GPU ``LOCAL_RANK``."""

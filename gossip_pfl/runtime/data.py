@@ -150,6 +150,39 @@ class PaddedSplit:
             yield rows, sl, self.x[at, sl], self.y[at, sl], mask[at, sl]
 
 
+def client_ids(dataset) -> tuple[np.ndarray, np.ndarray]:
+    """(training client ids, unseen client ids) of a dataset: unseen clients only evaluate."""
+    unseen = set(getattr(dataset, "unseen", []) or [])
+    train = np.array([i for i in range(len(dataset.clients)) if i not in unseen])
+    return train, np.array(sorted(unseen), dtype=np.int64)
+
+
+@dataclass
+class RankData:
+    """What one rank holds: its peers' train and test splits, and its share of the unseen
+    clients (``unseen_pos``: positions in the unseen ids; their splits None when it has none)."""
+
+    train: PaddedSplit
+    test: PaddedSplit
+    unseen_pos: np.ndarray
+    unseen_train: PaddedSplit | None
+    unseen_test: PaddedSplit | None
+
+    @staticmethod
+    def of(dataset, train_ids, unseen_ids, peers, rank: int, world_size: int, device) -> RankData:
+        clients = [dataset.clients[train_ids[i]] for i in peers]
+        # unseen clients are spread over ranks too
+        pos = np.array_split(np.arange(len(unseen_ids)), world_size)[rank]
+        held = [dataset.clients[unseen_ids[i]] for i in pos]
+        return RankData(
+            PaddedSplit.of(clients, "train", device),
+            PaddedSplit.of(clients, "test", device),
+            pos,
+            PaddedSplit.of(held, "train", device) if held else None,
+            PaddedSplit.of(held, "test", device) if held else None,
+        )
+
+
 @dataclass
 class Step:
     """One local step of a round's plan: the peers ``rows`` (A,) still in their epoch

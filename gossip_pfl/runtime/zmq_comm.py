@@ -383,7 +383,8 @@ class ZmqComm:
 
     # ------------------------------------------------------------------ receiving
     def _read_header(self):
-        """The next message's header, parsed; None (message drained) if it is malformed."""
+        """The next message's header, parsed; None (message drained, counted) if it is
+        malformed or from a rank not in the peers table."""
         head = self._pull.recv()
         more = self._pull.getsockopt(zmq.RCVMORE)
         ok = len(head) >= _HEAD.size and head[:4] == _MAGIC and more
@@ -399,7 +400,11 @@ class ZmqComm:
             )
             return None
         shape = tuple(_DIM.unpack_from(head, _HEAD.size + i * _DIM.size)[0] for i in range(ndim))
-        return (rnd, phase, kind, seq), _Msg(sender, _DTYPES[code], shape)
+        key, msg = (rnd, phase, kind, seq), _Msg(sender, _DTYPES[code], shape)
+        if sender not in self.peers or sender == self.rank:
+            self._drop("unknown", key, msg, "not a rank of the peers table")
+            return None
+        return key, msg
 
     def _recv_payload(self, view: memoryview) -> int:
         """Receive the payload frames of the message being read into ``view``, in order;
@@ -459,9 +464,7 @@ class ZmqComm:
             if got is None:
                 continue
             mkey, msg = got
-            if msg.sender not in self.peers or msg.sender == self.rank:
-                self._drop("unknown", mkey, msg, "not a rank of the peers table")
-            elif mkey == key:
+            if mkey == key:
                 self._take(key, msg, waiting)
             elif self._is_past(mkey):
                 self._drop("stale", mkey, msg, "that operation is over")
@@ -635,9 +638,7 @@ class ZmqComm:
             if got is None:
                 continue
             mkey, msg = got
-            if msg.sender not in self.peers or msg.sender == self.rank:
-                self._drop("unknown", mkey, msg, "not a rank of the peers table")
-            elif mkey[2] == HELLO:
+            if mkey[2] == HELLO:
                 if mkey[0] > latest:  # a peer is running: wait timeout_s from its answer
                     deadline = max(deadline, time.monotonic() + self.timeout_s)
                 first_heard = first_heard or time.monotonic()
@@ -693,9 +694,7 @@ class ZmqComm:
             mop = (mkey[0], mkey[1], mkey[3])
             if kind in (EXCHANGE, ACK):  # a hello ends no silence: the peer may still wait
                 heard.add(sender)
-            if sender not in self.peers or sender == self.rank:
-                self._drop("unknown", mkey, msg, "not a rank of the peers table")
-            elif kind == HELLO:
+            if kind == HELLO:
                 self._hello(mkey, msg)
             elif kind not in (EXCHANGE, ACK):
                 self._drop("bad", mkey, msg, "no collectives in a peer-to-peer world")
