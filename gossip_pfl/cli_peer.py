@@ -29,6 +29,7 @@ import torch
 from gossip_pfl import checkpoint
 from gossip_pfl.config import RunConfig, load_config, read_yaml
 from gossip_pfl.errors import GossipError
+from gossip_pfl.metrics import score_entries
 from gossip_pfl.train import Trainer
 
 #: the exit code of a process that the kill schedule (runtime.faults.kill) crashed
@@ -414,12 +415,7 @@ def _merge_round(rnd: int, rows: list[dict]) -> dict:
     row = {
         "round": rnd,
         "peers_reporting": len(peers),
-        "train_loss": float((tr_loss * tr_n).sum() / max(tr_n.sum(), 1)),
-        "train_accuracy": float((tr_acc * tr_n).sum() / max(tr_n.sum(), 1)),
-        "test_loss": float(te_loss.mean()),
-        "test_accuracy": float(te_acc.mean()),
-        "test_accuracy_weighted": float((te_acc * te_n).sum() / max(te_n.sum(), 1)),
-        "test_accuracy_p10": float(np.percentile(te_acc, 10)),
+        **score_entries((tr_loss, tr_acc, tr_n), (te_loss, te_acc, te_n)),
         "bytes_sent": int(sum(r["bytes_sent"] for r in rows)),
         "messages_sent": int(sum(r["messages_sent"] for r in rows)),
         "client_test_accuracy": client,

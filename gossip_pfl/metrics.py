@@ -7,6 +7,25 @@ from itertools import permutations
 import numpy as np
 
 
+def score_entries(train: tuple, test: tuple) -> dict:
+    """A metrics row's losses and accuracies from per-peer (loss, accuracy, count) arrays of
+    the training and test splits: training figures weighted by samples, test ones a mean
+    over peers (and weighted, and the 10th percentile)."""
+    (tr_loss, tr_acc, tr_n), (te_loss, te_acc, te_n) = train, test
+    return {
+        "train_loss": _weighted(tr_loss, tr_n),
+        "train_accuracy": _weighted(tr_acc, tr_n),
+        "test_loss": float(np.mean(te_loss)),
+        "test_accuracy": float(np.mean(te_acc)),
+        "test_accuracy_weighted": _weighted(te_acc, te_n),
+        "test_accuracy_p10": float(np.percentile(te_acc, 10)),
+    }
+
+
+def _weighted(values: np.ndarray, counts: np.ndarray) -> float:
+    return float((values * counts).sum() / max(counts.sum(), 1))
+
+
 def component_recovery(true_pi, pi: np.ndarray | None, train_ids: np.ndarray) -> float | None:
     """Share of peers whose arg-max pi matches their true group, under the best matching of
     components to groups. Only for data made of groups: the synthetic generator's true pi

@@ -28,7 +28,7 @@ from gossip_pfl.algorithms.rules import Inbox, build_rule
 from gossip_pfl.config import RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop
-from gossip_pfl.metrics import recovery_entry
+from gossip_pfl.metrics import recovery_entry, score_entries
 from gossip_pfl.models import build_model
 from gossip_pfl.runtime.comm import comm_from_config, gather_rows, set_cuda_numerics
 from gossip_pfl.runtime.data import (
@@ -683,16 +683,11 @@ class Trainer(RoundLoop):
         return state["rounds_done"], list(state["rows"])
 
     def metrics_row(self, t: int) -> dict:
-        tr_loss, tr_acc, tr_n = self.evaluate(self.train)
-        te_loss, te_acc, te_n = self.evaluate(self.test)
+        test = self.evaluate(self.test)
+        te_acc = test[1]
         row = {
             "round": t + 1,
-            "train_loss": _weighted(tr_loss, tr_n),
-            "train_accuracy": _weighted(tr_acc, tr_n),
-            "test_loss": float(np.mean(te_loss)),
-            "test_accuracy": float(np.mean(te_acc)),
-            "test_accuracy_weighted": _weighted(te_acc, te_n),
-            "test_accuracy_p10": float(np.percentile(te_acc, 10)),
+            **score_entries(self.evaluate(self.train), test),
             "consensus_distance": self.consensus_distance(),
             **self.traffic(),
             "seconds_local": self.times["local"],
@@ -793,10 +788,6 @@ class Trainer(RoundLoop):
 def _where(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
     """Per-row choice: ``new`` where ``mask`` (L,) is set, else ``old``."""
     return torch.where(mask.view(-1, *([1] * (new.dim() - 1))), new, old)
-
-
-def _weighted(values: np.ndarray, counts: np.ndarray) -> float:
-    return float((values * counts).sum() / max(counts.sum(), 1))
 
 
 #: workload name (AlgorithmSpec.workload) -> "module:class", imported when a run uses it

@@ -43,6 +43,7 @@ from gossip_pfl.algorithms.rules import Inbox, Rule, State
 from gossip_pfl.config import RunConfig, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop
+from gossip_pfl.metrics import score_entries
 from gossip_pfl.models import EMBEDDINGS, build_model
 from gossip_pfl.runtime.comm import gather_rows, init_comm
 from gossip_pfl.runtime.data import PaddedSplit, RankData, client_ids, round_batches
@@ -456,17 +457,11 @@ class PeFLLRun(RoundLoop):
         return out
 
     def metrics_row(self, t: int) -> dict:
-        (tr_loss, tr_acc, tr_n), (te_loss, te_acc, te_n) = self.evaluate(
-            self.train, [self.train, self.test], self.peers, self.n_peers
-        )
+        train, test = self.evaluate(self.train, [self.train, self.test], self.peers, self.n_peers)
+        te_acc = test[1]
         row = {
             "round": t + 1,
-            "train_loss": _weighted(tr_loss, tr_n),
-            "train_accuracy": _weighted(tr_acc, tr_n),
-            "test_loss": float(np.mean(te_loss)),
-            "test_accuracy": float(np.mean(te_acc)),
-            "test_accuracy_weighted": _weighted(te_acc, te_n),
-            "test_accuracy_p10": float(np.percentile(te_acc, 10)),
+            **score_entries(train, test),
             # how personalized the hub's models are: mean ||theta_i - mean theta||^2
             "consensus_distance": [self.spread],
             "model_bytes": int(sum(self.kind_bytes.values())),
@@ -542,10 +537,6 @@ class PeFLLRun(RoundLoop):
             f"{self.layout.numel} parameters, k = {p.local_steps}, "
             f"{self.placement.describe()}, device {self.device}, {self.threads}"
         )
-
-
-def _weighted(values: np.ndarray, counts: np.ndarray) -> float:
-    return float((values * counts).sum() / max(counts.sum(), 1))
 
 
 __all__ = ["PeFLLRun", "PeFLLHub", "HyperNetwork", "KINDS", "check_emittable", "descriptors"]
