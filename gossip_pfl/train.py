@@ -562,6 +562,12 @@ class Trainer(RoundLoop):
     @torch.no_grad()
     def scores(self, split: PaddedSplit, theta, personal) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row (mean log-loss, accuracy) of the personalized prediction on ``split``."""
+        counts = split.counts.double().clamp_min(1)
+        if self._fused_linear():  # the mixture of sigmoids in a few kernels per piece
+            nll, correct = self.forward.linear_mixture_scores(
+                theta, personal["pi"], split, self.eval_chunk
+            )
+            return nll / counts, correct / counts
         correct = torch.zeros(theta.shape[0], device=self.device, dtype=torch.float64)
         nll = torch.zeros_like(correct)
         for rows, _, x, y, m in split.chunks(self.eval_chunk):
@@ -570,7 +576,6 @@ class Trainer(RoundLoop):
             p_true = probs.gather(-1, y[..., None])[..., 0].clamp_min(1e-12)
             nll.index_add_(0, rows, (-torch.log(p_true) * m).sum(-1).double())
             correct.index_add_(0, rows, ((probs.argmax(-1) == y).float() * m).sum(-1).double())
-        counts = split.counts.double().clamp_min(1)
         return nll / counts, correct / counts
 
     def gather(self, values: list[torch.Tensor], positions, total: int) -> np.ndarray:

@@ -61,6 +61,30 @@ def test_fused_path_equals_plain_path(case, tmp_path):
     torch.testing.assert_close(fused.opt_state.eta, plain.opt_state.eta)
 
 
+@pytest.mark.parametrize("chunk", [0, 40])
+def test_fused_scores_and_losses_equal_general_path(chunk, tmp_path):
+    """The binary linear model's mixture scores and E-step losses from the cached pieces ==
+    the general path (the model's forward, surrogate.predict, argmax), with one piece per
+    split and with pieces that hold some of the peers (chunk 40: gathered once, cached)."""
+    tr = rounds(trainer(tmp_path, "auto", CASES["dfedem (fused SGD update)"]))
+    if chunk:
+        tr.eval_chunk = chunk
+    assert tr._fused_linear()
+    theta = tr.nodes[: len(tr.peers)]
+    pi = torch.distributions.Dirichlet(torch.ones(3)).sample((len(tr.peers),))
+    personal = {**tr.personal, "pi": pi}
+    fast = [tr.scores(s, theta, personal) for s in (tr.train, tr.test)] * 2  # cached pieces
+    fast_losses = tr.train_losses(theta)
+    tr.forward.closed_form = False
+    for (nll, acc), split in zip(fast, (tr.train, tr.test) * 2):
+        slow_nll, slow_acc = tr.scores(split, theta, personal)
+        torch.testing.assert_close(nll, slow_nll, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(acc, slow_acc)
+        assert 0.3 < float(acc.mean()) < 1  # not a degenerate case
+    mask = tr.train.mask[:, None, :]
+    torch.testing.assert_close(fast_losses * mask, tr.train_losses(theta) * mask)
+
+
 def test_closed_form_multiclass_gradient_equals_autograd(tmp_path):
     """Softmax head (multiclass task): the closed-form gradient and loss are autograd's."""
     from gossip_pfl.algorithms.base import weighted_loss_grad

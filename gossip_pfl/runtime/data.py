@@ -127,9 +127,12 @@ class PaddedSplit:
         return torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], 1)
 
     def linear_pieces(self, budget: int, components: int) -> list[tuple]:
-        """:meth:`chunk_plan`'s pieces for the closed-form linear loss, cached: (rows or None
-        for every peer, sample slice, inputs^T (A, in, width) (a view when the piece holds
-        every peer, else None: gathered per call), float targets (A, M, width) (a view))."""
+        """:meth:`chunk_plan`'s pieces for the closed-form linear model, cached: (rows or None
+        for every peer, sample slice, inputs^T (A, in, width), float targets (A, M, width),
+        mask (A, width)). A piece holding every peer is a view of the padded inputs; the
+        others are gathered once here, not every round: at 10,000 peers that gather was the
+        E-step's largest cost (the pieces follow the staircase of the sorted counts, so the
+        copies hold about the real samples past the first piece, not the padding)."""
         key = ("_linear", budget, components)
         if key in self.__dict__:
             return self.__dict__[key]
@@ -137,9 +140,9 @@ class PaddedSplit:
         pieces = []
         for rows, at, sl in self.chunk_plan(budget):
             full = isinstance(at, slice)
-            xt = self.x[:, sl].flatten(2).transpose(1, 2) if full else None
+            x = self.x[:, sl] if full else self.x[:, sl].index_select(0, rows)
             tgt = yf[at, sl][:, None, :].expand(-1, components, -1)
-            pieces.append((None if full else rows, sl, xt, tgt))
+            pieces.append((None if full else rows, sl, x.flatten(2).mT, tgt, self.mask[at, sl]))
         self.__dict__[key] = pieces
         return pieces
 
