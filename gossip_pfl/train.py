@@ -32,11 +32,11 @@ from gossip_pfl.metrics import recovery_entry, score_entries
 from gossip_pfl.models import build_model
 from gossip_pfl.runtime.comm import comm_from_config, gather_rows, set_cuda_numerics
 from gossip_pfl.runtime.data import (
+    BatchPlanner,
     PaddedSplit,
     RankData,
     client_ids,
     linear_round,
-    round_batches,
     step_plan,
 )
 from gossip_pfl.runtime.exchange import Exchanger, weight_by_size
@@ -169,6 +169,7 @@ class Trainer(RoundLoop):
         hint = getattr(model, "samples_per_call", None)
         hint = hint(self.M) if hint is not None and self.device.type == "cpu" else 0
         self.step_chunk = rt.step_chunk or hint
+        self.planner = BatchPlanner()  # each round's minibatch plan, drawn a round ahead
         # the closed-form linear model holds M * C floats per sample: a million samples a call
         wide = 1 << 20 if self.forward.closed_form else 16384
         self.eval_chunk = cfg.eval.chunk or hint or wide
@@ -332,7 +333,7 @@ class Trainer(RoundLoop):
         personal = self.personal if personal is None else personal
         L, a = len(self.peers), self.cfg.algorithm
         counts = self.counts if active is None else np.where(active, self.counts, 0)
-        idx, weight = round_batches(
+        idx, weight = self.planner(
             counts, self.train_ids[self.peers], self.cfg.seed, t, a.batch_size, epochs, steps,
             stream,
         )  # fmt: skip

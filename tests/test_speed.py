@@ -175,3 +175,23 @@ def test_precision_is_validated(tmp_path):
 
     with pytest.raises(GossipError, match=r"'runtime\.precision' must be float32\|bf16"):
         cnn_trainer(tmp_path, "fp16")
+
+
+def test_batch_planner_draws_round_batches_plans_ahead():
+    """The planner's plans are round_batches' whether its guess of the next round held (same
+    peers) or not (a peer sits out), with two streams interleaved."""
+    from gossip_pfl.runtime.data import BatchPlanner, round_batches
+
+    counts, peers = np.array([5, 40, 17, 0, 33]), np.array([4, 0, 2, 1, 3])
+    planner = BatchPlanner()
+    try:
+        for t, stream, c in [(0, 0, counts), (1, 0, counts), (1, 1, counts), (2, 0, counts),
+                             (3, 0, np.where(peers == 2, 0, counts)), (4, 0, counts),
+                             (7, 0, counts)]:  # fmt: skip
+            got = planner(c, peers, 11, t, 8, 2, None, stream)
+            want = round_batches(c, peers, 11, t, 8, 2, None, stream)
+            for g, w in zip(got, want):
+                np.testing.assert_array_equal(g, w)
+        assert planner._ahead[0][0][-1] == 8  # the next round's plan is on its way
+    finally:
+        planner.close()
