@@ -186,14 +186,14 @@ class BatchedForward:
         """A round of plain SGD on the binary linear model's log-loss, in place on theta
         (L, M, P = [W, b]), for a :class:`gossip_pfl.runtime.data.LinearRound` plan over
         ``inputs`` (the split's :attr:`augmented` samples, a ones column last). A step is six
-        operations: gather the batch, z = theta x^T (the bias through the ones column),
+        operations: gather the batch, z = x theta^T (the bias through the ones column),
         sigmoid, r = (sigmoid(z) - y) * coef (one addcmul: coef holds -step * q * weight / B),
         theta += r x (one baddbmm: the weights' and the bias' update at once). The same
         numbers as the autograd path up to float rounding (tests/test_speed.py)."""
         for rows, pos, coef, ycoef in zip(plan.rows, plan.pos, plan.coef, plan.ycoef):
             x = F.embedding(pos, inputs)  # (A, B, P)
             th = theta if rows is None else theta.index_select(0, rows)
-            r = torch.bmm(th, x.mT).sigmoid_()  # (A, M, B)
+            r = torch.bmm(x, th.mT).mT.sigmoid_()  # (A, M, B); x th^T: 1.5x faster on a CPU
             r = torch.addcmul(ycoef, r, coef)
             if rows is None:
                 theta.baddbmm_(r, x)
