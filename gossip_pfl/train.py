@@ -50,7 +50,7 @@ from gossip_pfl.runtime.participation import (
 from gossip_pfl.runtime.placement import Placement
 from gossip_pfl.runtime.solver import LocalArmijo, LocalSGD
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout, init_components
-from gossip_pfl.runtime.threads import set_threads
+from gossip_pfl.runtime.threads import configure_host
 from topologies import MixingSchedule, TopologyError
 from topologies.analysis import check_mixing
 
@@ -125,7 +125,7 @@ class Trainer(RoundLoop):
         self.cfg, self.log = cfg, log
         self.spec = get_algorithm(cfg.algorithm.name)
         rt = cfg.runtime
-        self.threads = set_threads(rt.threads)  # before any torch work (first log line)
+        self.threads = configure_host(rt.threads)  # before any torch work (first log line)
         self.comm = comm or comm_from_config(rt)
         # False in a peer-to-peer world: metrics, checks and checkpoints stay per process
         self.collectives = self.comm.collectives

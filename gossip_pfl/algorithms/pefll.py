@@ -50,7 +50,7 @@ from gossip_pfl.runtime.data import PaddedSplit, RankData, client_ids, round_bat
 from gossip_pfl.runtime.participation import participant_count, sample_participants
 from gossip_pfl.runtime.placement import Placement
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout
-from gossip_pfl.runtime.threads import set_threads
+from gossip_pfl.runtime.threads import configure_host
 
 #: the message kinds of a training round, in protocol order
 KINDS = ("embed_params", "descriptor", "client_model", "model_delta", "descriptor_grad",
@@ -217,7 +217,7 @@ class PeFLLRun(RoundLoop):
                 f"config key 'data.unseen_fraction' must be in [0, 1) (got {unseen!r})"
             )
         rt = cfg.runtime
-        self.threads = set_threads(rt.threads)  # before any torch work, as the Trainer
+        self.threads = configure_host(rt.threads)  # before any torch work, as the Trainer
         self.comm = comm or init_comm(rt.device, rt.backend, rt.timeout_s)
         self.device = self.comm.device
         if dataset is None:

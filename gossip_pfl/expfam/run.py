@@ -49,7 +49,7 @@ from gossip_pfl.runtime.exchange import Exchanger
 from gossip_pfl.runtime.messages import Bundle
 from gossip_pfl.runtime.participation import star_phases
 from gossip_pfl.runtime.placement import Placement
-from gossip_pfl.runtime.threads import set_threads
+from gossip_pfl.runtime.threads import configure_host
 
 State = dict[str, torch.Tensor]
 
@@ -153,7 +153,7 @@ class ExpFamRun(RoundLoop):
                 f"config key 'runtime.precision' {rt.precision!r}: EM runs in float64; "
                 "leave it at float32"
             )
-        self.threads = set_threads(rt.threads)  # before any torch work, as the Trainer
+        self.threads = configure_host(rt.threads)  # before any torch work, as the Trainer
         self.comm = comm or init_comm(rt.device, rt.backend, rt.timeout_s)
         self.device = self.comm.device
         self.data = dataset if dataset is not None else build_data(e, cfg.seed)
