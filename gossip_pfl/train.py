@@ -15,6 +15,7 @@ draw is seeded per peer (data order, initialization) or per round (schedule), ne
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +37,7 @@ from gossip_pfl.runtime.data import (
     PaddedSplit,
     RankData,
     client_ids,
+    linear_host,
     linear_round,
     step_plan,
 )
@@ -208,6 +210,8 @@ class Trainer(RoundLoop):
         data = RankData.of(dataset, self.train_ids, self.unseen_ids, self.peers,
                            self.comm.rank, self.comm.world_size, self.device)  # fmt: skip
         self.train, self.test, self.unseen_pos = data.train, data.test, data.unseen_pos
+        # the fused linear step's host side, worked out by the planner a round ahead
+        self._linear_host = partial(linear_host, self.train, cfg.algorithm.batch_size)
         self.unseen_train, self.unseen_test = data.unseen_train, data.unseen_test
         self.counts = self.train.counts.cpu().numpy()
         a = cfg.algorithm
@@ -333,17 +337,19 @@ class Trainer(RoundLoop):
         personal = self.personal if personal is None else personal
         L, a = len(self.peers), self.cfg.algorithm
         counts = self.counts if active is None else np.where(active, self.counts, 0)
-        idx, weight = self.planner(
-            counts, self.train_ids[self.peers], self.cfg.seed, t, a.batch_size, epochs, steps,
-            stream,
-        )  # fmt: skip
-        self.steps_taken.copy_(torch.as_tensor((weight.sum(-1) > 0).sum(0), device=self.device))
         plain = self.solver.plain and self.client is None and not self.track_loss
         plain = plain and not self.line_search
-        if plain and self._fused_linear():  # six operations a step (stack.linear_sgd_round)
+        fused = plain and self._fused_linear()  # six operations a step (linear_sgd_round)
+        post = self._linear_host if fused else None
+        idx, weight, *host = self.planner(
+            counts, self.train_ids[self.peers], self.cfg.seed, t, a.batch_size, epochs, steps,
+            stream, post,
+        )  # fmt: skip
+        self.steps_taken.copy_(torch.as_tensor((weight.sum(-1) > 0).sum(0), device=self.device))
+        if fused:
             neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_host
             qe = None if q is None else q.expand(L, self.M, -1)  # (L, M, N)
-            plan = linear_round(idx, weight, self.train, neg, a.batch_size, qe)
+            plan = linear_round(host[0], self.train, neg, qe)
             self.forward.linear_sgd_round(theta, self.train.augmented, plan)
             self._record_plain_eta(opt_state, factor, bool(plan.rows))
             return

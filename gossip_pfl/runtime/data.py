@@ -251,31 +251,51 @@ class LinearRound:
     ycoef: tuple
 
 
-def linear_round(
-    idx: np.ndarray, weight: np.ndarray, split: PaddedSplit, neg_step: np.ndarray,
-    batch_size: int, q: torch.Tensor | None,
-) -> LinearRound:  # fmt: skip
-    """Build a :class:`LinearRound` on the host from :func:`round_batches`' plan; five uploads
-    and a handful of operations for the whole round. ``neg_step`` (L,) float32 is each peer's
-    -lr * factor * lr_scale; ``q`` (L, M, N) the responsibilities (None: weight 1)."""
+@dataclass
+class LinearHost:
+    """The host side of a :class:`LinearRound`, a pure function of the round's minibatch
+    plan (so the planner draws it ahead, :class:`BatchPlanner`): per step the peers still in
+    their epoch (``sizes``: how many), and over all steps their rows ``r_all``, sample
+    indices ``ix`` (sum A, B), positions in :attr:`PaddedSplit.augmented` ``pos``, sample
+    weights / B ``wt`` and labels ``y``."""
+
+    sizes: list
+    r_all: np.ndarray
+    ix: np.ndarray
+    pos: np.ndarray
+    wt: np.ndarray
+    y: np.ndarray
+
+
+def linear_host(
+    split: PaddedSplit, batch_size: int, idx: np.ndarray, weight: np.ndarray
+) -> LinearHost:
+    """:class:`LinearHost` of :func:`round_batches`' plan (idx, weight) over ``split``."""
     filled = weight.sum(-1)  # (S, L)
-    L = idx.shape[1]
-    n_max = split.y.shape[1]
-    rows, sizes = [], []
-    for s in range(idx.shape[0]):
-        r = np.flatnonzero(filled[s] > 0)
-        if len(r):
-            rows.append((s, r))
-            sizes.append(len(r))
+    rows = [(s, r) for s in range(idx.shape[0]) if len(r := np.flatnonzero(filled[s] > 0))]
     if not rows:
-        return LinearRound([], (), (), ())
+        empty = np.zeros((0, idx.shape[-1]), dtype=np.int64)
+        return LinearHost([], np.zeros(0, dtype=np.int64), empty, empty, empty, empty)
     r_all = np.concatenate([r for _, r in rows])
     ix = np.concatenate([idx[s, r] for s, r in rows])  # (sum A, B)
-    wt = np.concatenate([weight[s, r] for s, r in rows])  # (sum A, B)
+    wt = np.concatenate([weight[s, r] for s, r in rows]) * np.float32(1.0 / batch_size)
     pos = split.offsets[r_all][:, None] + ix
+    y = split.host_y[r_all[:, None], ix].astype(np.float32)
+    return LinearHost([len(r) for _, r in rows], r_all, ix, pos, wt, y)
+
+
+def linear_round(
+    host: LinearHost, split: PaddedSplit, neg_step: np.ndarray, q: torch.Tensor | None
+) -> LinearRound:
+    """Build a :class:`LinearRound` from its host side: a few uploads and operations for the
+    whole round. ``neg_step`` (L,) float32 is each peer's -lr * factor * lr_scale; ``q``
+    (L, M, N) the responsibilities (None: weight 1)."""
+    if not host.sizes:
+        return LinearRound([], (), (), ())
+    r_all, ix, sizes = host.r_all, host.ix, host.sizes
+    L, n_max = split.y.shape
     with np.errstate(invalid="ignore", over="ignore"):  # a NaN lr: the finite check names it
-        wc = (wt * np.float32(1.0 / batch_size)) * neg_step[r_all][:, None]  # (sum A, B) f32
-    ny = -split.host_y[r_all[:, None], ix].astype(np.float32)
+        wc = host.wt * neg_step[r_all][:, None]  # (sum A, B) f32: -step * weight / B
     dev = split.y.device
     up = lambda a: torch.as_tensor(a, device=dev)  # noqa: E731
     coef = up(wc[:, None, :])
@@ -283,9 +303,9 @@ def linear_round(
         M = q.shape[1]
         qpos = (r_all * (M * n_max))[:, None, None] + (np.arange(M) * n_max)[None, :, None]
         coef = q.take(up(qpos + ix[:, None, :])).mul_(coef)
-    ycoef = up(ny[:, None, :]) * coef
+    ycoef = up(-host.y[:, None, :]) * coef
     row_list = [None if a == L else r for a, r in zip(sizes, up(r_all).split(sizes))]
-    return LinearRound(row_list, up(pos).split(sizes), coef.split(sizes), ycoef.split(sizes))
+    return LinearRound(row_list, up(host.pos).split(sizes), coef.split(sizes), ycoef.split(sizes))
 
 
 def round_batches(
@@ -340,12 +360,14 @@ def round_batches(
 
 class BatchPlanner:
     """:func:`round_batches` with the next round's plan drawn ahead, on one background thread,
-    while this round computes. The plan is a pure function of its arguments (one seeded
-    generator per peer), so drawing it early changes no number; it is most of a round's host
-    time on the linear model (about 14 us a peer: the generator's seeding and a shuffle that
-    releases the GIL), which the compute (kernels that release the GIL too) now hides. The
-    guess is that the same peers take part with the same settings; when they do not (partial
-    participation), the plan is drawn in place and the guess thrown away."""
+    while this round computes; ``post(idx, weight)``, when given, is worked out there too
+    (the fused linear step's host side, :func:`linear_host`). Both are pure functions of
+    their arguments (one seeded generator per peer), so drawing them early changes no number;
+    they are most of a round's host time on the linear model (about 14 us a peer: the
+    generators' seeding and shuffles that release the GIL), which the compute (kernels that
+    release the GIL too) now hides. The guess is that the same peers take part with the same
+    settings; when they do not (partial participation), the plan is drawn in place and the
+    guess thrown away."""
 
     def __init__(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
@@ -354,25 +376,30 @@ class BatchPlanner:
 
     def __call__(
         self, counts: np.ndarray, peers: np.ndarray, seed: int, round_: int, batch_size: int,
-        epochs: int = 1, steps: int | None = None, stream: int = 0,
-    ) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+        epochs: int = 1, steps: int | None = None, stream: int = 0, post=None,
+    ) -> tuple:  # fmt: skip
+        """(idx, weight) of :func:`round_batches`, and ``post(idx, weight)`` when given."""
         counts = np.asarray(counts, dtype=np.int64)
-        key = (counts.tobytes(), np.asarray(peers).tobytes(), seed, batch_size, epochs, steps)
+        key = (counts.tobytes(), np.asarray(peers).tobytes(), seed, batch_size, epochs, steps,
+               post)  # fmt: skip
+        args = (counts, peers, seed, round_, batch_size, epochs, steps, stream, post)
         ahead = self._ahead.pop(stream, None)
-        if ahead is not None and ahead[0] == (*key, round_):
-            plan = ahead[1].result()
-        else:
-            plan = round_batches(counts, peers, seed, round_, batch_size, epochs, steps, stream)
+        plan = ahead[1].result() if ahead and ahead[0] == (*key, round_) else _plan(*args)
         if self._pool is None or self._pid != os.getpid():  # a forked child has no thread
             self._pool, self._pid = ThreadPoolExecutor(1, "batch-plan"), os.getpid()
-        args = (counts, peers, seed, round_ + 1, batch_size, epochs, steps, stream)
-        self._ahead[stream] = ((*key, round_ + 1), self._pool.submit(round_batches, *args))
+        args = (counts, peers, seed, round_ + 1, batch_size, epochs, steps, stream, post)
+        self._ahead[stream] = ((*key, round_ + 1), self._pool.submit(_plan, *args))
         return plan
 
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool, self._ahead = None, {}
+
+
+def _plan(counts, peers, seed, round_, batch_size, epochs, steps, stream, post) -> tuple:
+    idx, weight = round_batches(counts, peers, seed, round_, batch_size, epochs, steps, stream)
+    return (idx, weight) if post is None else (idx, weight, post(idx, weight))
 
 
 class _KeyedGenerators:
