@@ -240,10 +240,10 @@ def step_plan(idx: np.ndarray, weight: np.ndarray, n_max: int, device) -> list[S
 class LinearRound:
     """A round's plan for the fused closed-form linear SGD steps (see
     :meth:`gossip_pfl.runtime.stack.BatchedForward.linear_sgd_round`): per step, the peers
-    (None: all of them), positions (A, B) in :attr:`PaddedSplit.augmented`, the per-sample
-    coefficient -step * q * weight / B (A, M | 1, B) and -y times it. Every step is cut to the
-    full batch width B (a short last batch is padded with weight 0), so each step's tensors
-    are pieces of one split, not views made per step."""
+    (None: all of them), flat positions (A * B,) in :attr:`PaddedSplit.augmented`, the
+    per-sample coefficient -step * q * weight / B (A, B, M | 1) and -y times it. Every step is
+    cut to the full batch width B (a short last batch is padded with weight 0), so each step's
+    tensors are pieces of one split, not views made per step."""
 
     rows: list
     pos: tuple
@@ -298,14 +298,15 @@ def linear_round(
         wc = host.wt * neg_step[r_all][:, None]  # (sum A, B) f32: -step * weight / B
     dev = split.y.device
     up = lambda a: torch.as_tensor(a, device=dev)  # noqa: E731
-    coef = up(wc[:, None, :])
+    coef = up(wc[:, :, None])  # (sum A, B, 1)
     if q is not None:  # q[peer, m, sample]: one take over the flattened (L, M, N) tensor
         M = q.shape[1]
-        qpos = (r_all * (M * n_max))[:, None, None] + (np.arange(M) * n_max)[None, :, None]
-        coef = q.take(up(qpos + ix[:, None, :])).mul_(coef)
-    ycoef = up(-host.y[:, None, :]) * coef
+        qpos = (r_all * (M * n_max))[:, None, None] + (np.arange(M) * n_max)[None, None, :]
+        coef = q.take(up(qpos + ix[:, :, None])).mul_(coef)  # (sum A, B, M)
+    ycoef = up(-host.y[:, :, None]) * coef
     row_list = [None if a == L else r for a, r in zip(sizes, up(r_all).split(sizes))]
-    return LinearRound(row_list, up(host.pos).split(sizes), coef.split(sizes), ycoef.split(sizes))
+    pos = up(host.pos.reshape(-1)).split([a * host.pos.shape[1] for a in sizes])
+    return LinearRound(row_list, pos, coef.split(sizes), ycoef.split(sizes))
 
 
 def round_batches(
