@@ -135,6 +135,58 @@ def test_lost_links_are_decided_alike_by_both_ends(drop):
         assert any(lost for _, ls in out.values() for lost in ls)
 
 
+def test_a_dead_peer_loses_only_its_own_links():
+    """A ring of 4 where rank 0 dies at round 2: ranks 1 and 3 wait a link timeout for it and
+    come late to rank 2, which is already in the next round. Their keepalives extend rank 2's
+    deadline, so only rank 0's links are lost (without them rank 2 lost its links to 1 and 3
+    too, and they then lost theirs to 2: a cascade round the ring). Ranks 1 and 3 work longer
+    per round than rank 2, so their late message lands after rank 2's own deadline."""
+    from gossip_pfl.runtime.exchange import Exchanger
+    from gossip_pfl.runtime.placement import Placement
+    from topologies import Phase
+
+    n, rounds, dies, peers = 4, 5, 2, _ports(4)
+    work = [0.0, 0.2, 0.0, 0.2]  # seconds of "local training" per round
+    comms = [zc.ZmqComm(k, peers, "cpu", 10, p2p=True, link_timeout_s=1.0) for k in range(n)]
+    x = torch.randn(n, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    i = np.arange(n)
+    phase = Phase(n, np.concatenate([i, i, i]), np.concatenate([i, (i + 1) % n, (i - 1) % n]),
+                  np.full(3 * n, 1 / 3))  # fmt: skip
+
+    def worker(comm, out, k):
+        ex = Exchanger(Placement(n, n, k), comm)
+        state, lost, before = x[k : k + 1].clone(), [], None
+        for t in range(rounds):
+            if k == 0 and t == dies:
+                break  # dead: sends nothing more
+            if t == dies:
+                before = state.clone()
+            time.sleep(work[k])
+            comm.set_tag(t, 0)
+            state = ex.mix(state, ex.plan(phase, key=0))
+            lost.append(comm.last_links["lost"])
+        out[k] = (state, lost, before)
+
+    start = time.monotonic()
+    try:
+        out = _threads(n, worker, *[(c,) for c in comms])
+    finally:
+        for c in comms:
+            c.close()
+    wall = time.monotonic() - start
+    assert sorted(out) == list(range(n))
+    for k in (1, 2, 3):
+        for t, lost in enumerate(out[k][1]):
+            # rank 0's links only, from the round it died; never 1-2 or 2-3
+            assert lost == ([0] if t >= dies and k != 2 else []), (k, t, lost)
+    assert out[0][1] == [[]] * dies
+    assert sum(c.stats["extended"] for c in comms) > 0  # the keepalives were what saved them
+    # the survivors decided alike, so their sum is kept from the round rank 0 died
+    kept = sum(out[k][2] for k in (1, 2, 3))
+    torch.testing.assert_close(sum(out[k][0] for k in (1, 2, 3)), kept, rtol=0, atol=1e-12)
+    assert wall < 1.0 + rounds * 0.2 + 3.0  # one link timeout lost, not one per round
+
+
 def test_bad_messages_are_dropped_and_a_silent_neighbour_is_a_lost_link():
     peers = _ports(2)
     comm = zc.ZmqComm(0, peers, "cpu", 5, p2p=True, link_timeout_s=0.5)

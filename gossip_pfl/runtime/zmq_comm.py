@@ -41,7 +41,7 @@ Waiting is bounded: after ``timeout_s`` without the expected messages, ``wait_al
 Peer to peer (``p2p=True``, what ``gossip-pfl peer`` builds; docs/p2p.md): no collectives
 (``collectives`` is False and ``all_reduce_sum`` refuses), and a lost link is not an error.
 
-- Start: ``join`` sends a hello to every process (repeated every link timeout) and waits for
+- Start: ``join`` sends a hello to every process (every ``HELLO_EVERY_S``) and waits for
   theirs; a fresh start needs them all within ``timeout_s``, a restart needs one, and starts at
   the round the running peers name.
 - Link faults: in an exchange every message that lands is acknowledged at once; the link with
@@ -53,6 +53,11 @@ Peer to peer (``p2p=True``, what ``gossip-pfl peer`` builds; docs/p2p.md): no co
   those cases and the drift of the average they cause. A neighbour that sent nothing in its
   last exchange (dead?) is not waited for until it sends again; a lost link's socket is reset,
   so nothing piles up for a dead peer.
+- Keepalives: a rank waiting on a neighbour tells its other neighbours every ``ALIVE_EVERY``
+  link timeout that it is alive and in exchange k; one that waits for it at a later exchange
+  then extends its deadline for it (up to ``timeout_s``). Without them, a rank late by a link
+  timeout (waiting on a dead peer) lost its links to its other neighbours too, which made them
+  late to theirs: a cascade, one hop per round.
 - Fault injection (``Faults``): seeded per-link drops (known to both ends, not waited for)
   and per-ack losses.
 
@@ -78,10 +83,14 @@ from gossip_pfl.errors import GossipError
 
 log = logging.getLogger(__name__)
 
-EXCHANGE, REDUCE, ACK, HELLO = 0, 1, 2, 3
+EXCHANGE, REDUCE, ACK, HELLO, ALIVE = 0, 1, 2, 3, 4
 #: seconds between a joining process's announcements (hellos)
 HELLO_EVERY_S = 0.25
-_KINDS = {EXCHANGE: "exchange", REDUCE: "all_reduce", ACK: "ack", HELLO: "hello"}
+#: a process waiting on a neighbour tells its other neighbours it is alive every this fraction
+#: of the link timeout (a keepalive); each one extends their deadline for it by a link timeout
+ALIVE_EVERY = 0.25
+_KINDS = {EXCHANGE: "exchange", REDUCE: "all_reduce", ACK: "ack", HELLO: "hello",
+          ALIVE: "keepalive"}  # fmt: skip
 # magic, round, phase, kind, seq, sender, dtype code, ndim; then ndim int64 dims
 _HEAD = struct.Struct("<4sqiBiiBB")
 _MAGIC = b"GPZ1"
@@ -260,6 +269,7 @@ class ZmqComm:
         self._silent: set[int] = set()  # neighbours that sent nothing in their last exchange
         self._reply_to: set[int] = set()  # peers whose hello awaits an answer
         self._live: set[int] = set()  # the links that counted in the last exchange
+        self._near: set[int] = set()  # every rank linked in an exchange so far (keepalives)
         self.last_links: dict = {}  # the last p2p exchange's links and the ones lost
         if rank not in self.peers:
             raise GossipError(
@@ -270,8 +280,9 @@ class ZmqComm:
         self.device = torch.device(device)
         self.timeout_s = float(timeout_s)
         self.stats = {"stale": 0, "duplicate": 0, "bad": 0, "unknown": 0, "unexpected": 0}
-        if self.p2p:  # links given up, and messages the fault injection suppressed
-            self.stats.update(lost=0, ahead=0, injected=0)
+        if self.p2p:  # links given up, neighbours seen past an exchange, messages the fault
+            # injection suppressed, and deadlines a neighbour's keepalive extended
+            self.stats.update(lost=0, ahead=0, injected=0, extended=0)
         self._round, self._phase = 0, 0
         self._next = {EXCHANGE: 0, REDUCE: 0}  # next sequence number per kind, under the tag
         self._queue: dict[tuple, dict[int, _Msg]] = {}  # key -> sender -> queued message
@@ -644,6 +655,8 @@ class ZmqComm:
                 first_heard = first_heard or time.monotonic()
                 self._hello(mkey, msg)
                 self._answer_hellos()
+            elif mkey[2] == ALIVE:  # a running peer waiting on another: nothing for us
+                self._drain(True)
             elif mkey[:2] < self.tag or mkey[0] < latest:
                 self._drop("stale", mkey, msg, "that operation is over")
             else:
@@ -659,33 +672,59 @@ class ZmqComm:
         acknowledgements of ``sends``; returns the ranks whose link did not count.
 
         A link with rank r counts when r's message landed here and (if this rank sent to r)
-        r's ack came back, i.e. both ends hold each other's rows. It is given up when the link
-        timeout passes, or at once when r is seen past this operation (r already decided:
-        its ack would have come before its later messages, on the same connection). The links
-        in ``down`` (fault injection: both ends drew the same number) are lost without a wait.
+        r's ack came back, i.e. both ends hold each other's rows. It is given up when its
+        deadline passes (the link timeout, extended by r's keepalives up to ``timeout_s``), or
+        at once when r is seen past this operation (r already decided: its ack would have
+        come before its later messages, on the same connection). The links in ``down`` (fault
+        injection: both ends drew the same number) are lost without a wait. While it waits,
+        this rank sends a keepalive to its other neighbours every ``ALIVE_EVERY`` link timeout,
+        so that those already at a later exchange wait for it instead of dropping its link
+        (which would make them late to theirs in turn: a cascade, one hop per round).
         """
         waiting = {r: t for r, t in recvs.items() if r not in down}
         need_ack = set(sends) - set(down)
-        links, ahead = set(recvs) | set(sends), set()
+        links = set(recvs) | set(sends)
+        self._near |= links
         op = (key[0], key[1], key[3])
+        # a neighbour whose message for a later exchange is already queued sent it before ours
+        # for this one existed: it has decided this link without us
+        ahead = {s for k, slot in self._queue.items() if (k[0], k[1], k[3]) > op for s in slot}
+        ahead &= links
+        self.stats["ahead"] += len(ahead)
         for sender in self._queue.pop((key[0], key[1], ACK, key[3]), {}):
             need_ack.discard(sender)
+        heard = set()  # senders of an exchange message or an ack during this wait
         for msg in self._queue.pop(key, {}).values():
+            heard.add(msg.sender)
             if self._place(key, msg, waiting):
                 self._ack(msg.sender, key)
-        deadline = time.monotonic() + self.link_timeout_s
-        heard = set()  # senders of any message during this wait
+        now = time.monotonic()
+        cap, lt = now + self.timeout_s, self.link_timeout_s
+        until = dict.fromkeys(links, now + lt)  # per link: when it is given up
+        every = lt * ALIVE_EVERY
+        alive_at = now + every
 
-        def open_links(silent: bool):
-            return [r for r in links if r not in ahead and (r in waiting or r in need_ack)
-                    and (r in self._silent) == silent]  # fmt: skip
-
-        while open_links(False) or open_links(True):
-            # a neighbour silent since the last exchange (dead?) is not waited for: what has
-            # already arrived from it is read, and its link counts only if complete
-            left = deadline - time.monotonic() if open_links(False) else 0
-            if left < 0 or not self._pull.poll(max(1, int(left * 1000)) if left else 0):
+        while True:
+            now = time.monotonic()
+            left_open = {r for r in links if r not in ahead and (r in waiting or r in need_ack)}
+            # a neighbour silent since the last exchange (dead?) is not waited for, unless it
+            # sent something during this wait: what has arrived from it is read, and its link
+            # counts only if complete
+            silent = {r for r in left_open if r in self._silent and r not in heard}
+            waited = [r for r in left_open - silent if until[r] > now]
+            if waited:
+                if now >= alive_at:
+                    self._keepalive(key, self._near - left_open - self._silent)
+                    alive_at = now + every
+                ms = max(1, math.ceil((min(alive_at, *(until[r] for r in waited)) - now) * 1e3))
+            elif silent and not left_open - silent:
+                ms = 0  # read what has already arrived
+            else:
                 break
+            if not self._pull.poll(ms):
+                if ms == 0:
+                    break
+                continue
             got = self._read_header()
             if got is None:
                 continue
@@ -693,9 +732,22 @@ class ZmqComm:
             sender, kind = msg.sender, mkey[2]
             mop = (mkey[0], mkey[1], mkey[3])
             if kind in (EXCHANGE, ACK):  # a hello ends no silence: the peer may still wait
+                if sender in until and sender in self._silent and sender not in heard:
+                    # it is back: wait for it (a fresh link timeout)
+                    until[sender] = min(cap, max(until[sender], time.monotonic() + lt))
                 heard.add(sender)
             if kind == HELLO:
                 self._hello(mkey, msg)
+            elif kind == ALIVE:
+                self._drain(True)
+                if sender not in left_open:
+                    continue  # a neighbour this rank does not wait for
+                if mop < op:  # alive and coming: wait one more link timeout for it
+                    until[sender] = min(cap, max(until[sender], time.monotonic() + lt))
+                    self.stats["extended"] += 1
+                elif mop > op:  # it has decided this exchange
+                    ahead.add(sender)
+                    self.stats["ahead"] += 1
             elif kind not in (EXCHANGE, ACK):
                 self._drop("bad", mkey, msg, "no collectives in a peer-to-peer world")
             elif mop == op and kind == ACK:
@@ -730,6 +782,11 @@ class ZmqComm:
         # an acked message has left; the others' sockets were just reset
         self._wait_sent(key, [(r, t) for r, t in trackers if r in done])
         return lost
+
+    def _keepalive(self, key, ranks) -> None:
+        """Tell ``ranks`` that this rank is alive and still in exchange ``key``."""
+        for r in sorted(ranks):
+            self._control(r, key, ALIVE)
 
     def _ack(self, peer: int, key) -> None:
         if self.faults.ack_lost(key, self.rank, peer):
