@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -39,7 +40,10 @@ def one_run(tree: Path, config: str, threads: int, sets: list[str], out: Path) -
     env.pop("OMP_NUM_THREADS", None)  # runtime.threads decides
     args = ["--set", f"runtime.threads={threads}", *(a for s in sets for a in ("--set", s))]
     cmd = [sys.executable, "-m", "gossip_pfl", "run", str(ROOT / config), "--out", str(out)]
-    subprocess.run(cmd + args, env=env, cwd=tree, check=True, capture_output=True)
+    shutil.rmtree(out, ignore_errors=True)  # a run refuses another run's folder
+    done = subprocess.run(cmd + args, env=env, cwd=tree, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"{' '.join(cmd + args)} failed: {done.stderr.strip()[-500:]}")
     return json.loads((out / "summary.json").read_text())
 
 
