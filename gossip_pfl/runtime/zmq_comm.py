@@ -80,6 +80,7 @@ import torch
 import zmq
 
 from gossip_pfl.errors import GossipError
+from gossip_pfl.runtime.threads import keep_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -164,6 +165,9 @@ def _check_address(addr: str, what: str) -> str:
 
 #: the largest payload frame (bytes); a tensor's bytes travel in frames of this size
 CHUNK = 1 << 20
+#: ZeroMQ I/O threads per process: with two, the frames from two neighbours are read from
+#: their TCP connections in parallel while this thread copies the previous ones into tensors
+IO_THREADS = 2
 
 
 def _as_bytes(t: torch.Tensor):
@@ -288,7 +292,11 @@ class ZmqComm:
         self._queue: dict[tuple, dict[int, _Msg]] = {}  # key -> sender -> queued message
         self._active: tuple | None = None
         self._filled: set[int] = set()  # senders received for the active operation
-        self._ctx = zmq.Context()
+        # libzmq mallocs every received frame in its I/O thread; with glibc's defaults the
+        # heap's top goes back to the kernel whenever a few frames are freed at once, and the
+        # next frames fault their pages in again (about half the bytes received here)
+        keep_freed_memory()
+        self._ctx = zmq.Context(io_threads=IO_THREADS)
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         host, port = self.peers[rank].rsplit(":", 1)
