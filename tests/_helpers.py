@@ -40,11 +40,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, fn, args, out_dir, env):
+def _worker(rank, world, port, fn, args, out_dir, environ, env):
+    # the parent's environment when it started this rank (a forked child has the fork server's)
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         **env,
@@ -59,14 +63,33 @@ def _worker(rank, world, port, fn, args, out_dir, env):
     Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
+#: what the fork server imports once, before any rank forks from it: imports only (torch
+#: starts its thread pool at its first parallel computation, which each rank does after the fork)
+_PRELOAD = ["numpy", "torch", "torch.distributed", "gossip_pfl.train", "_helpers"]
+
+
+def _context():
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def run_ranks(world: int, fn, *args, timeout: float = 120.0, env: dict | None = None) -> list:
-    """Run ``fn(*args)`` on ``world`` spawned processes set up like torchrun's; returns each
-    rank's ("ok", value) or ("error", message), or ("missing", exitcode) for a dead rank."""
-    ctx = mp.get_context("spawn")
+    """Run ``fn(*args)`` on ``world`` new processes set up like torchrun's; returns each
+    rank's ("ok", value) or ("error", message), or ("missing", exitcode) for a dead rank.
+
+    Each rank is a fresh process, as under torchrun (no state of this one: its function and
+    arguments come pickled, its environment is this one's), forked from a fork server that has
+    imported torch and the package once: a spawned interpreter would spend seconds importing
+    them for every rank."""
+    ctx = _context()
     port = free_port()
+    environ = dict(os.environ)
     with tempfile.TemporaryDirectory() as out_dir:
         procs = [
-            ctx.Process(target=_worker, args=(r, world, port, fn, args, out_dir, env or {}))
+            ctx.Process(
+                target=_worker, args=(r, world, port, fn, args, out_dir, environ, env or {})
+            )
             for r in range(world)
         ]
         for p in procs:

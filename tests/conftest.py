@@ -5,12 +5,22 @@ runs to CUDA (other numerics, host-only assertions, far slower for tiny problems
 without the ``cuda`` marker sees a CPU-only machine: ``torch.cuda.is_available()`` is False in
 this process, and processes it starts (CLI runs, torchrun ranks, spawned workers) inherit
 ``CUDA_VISIBLE_DEVICES=""``. Tests marked ``cuda`` see the GPU, and are skipped without one.
+
+Every process of the suite runs one torch thread unless ``OMP_NUM_THREADS`` says otherwise (it
+is set here, before torch is imported, so the processes the tests start inherit it): the tests'
+problems are too small to gain from a second thread, and OpenMP threads that spin at barriers
+on a busy or shared machine make a run many times slower (docs/development.md). How a run picks
+its thread count is tested on its own (tests/test_speed.py).
 """
 
 from __future__ import annotations
 
-import pytest
-import torch
+import os
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Asked once, before any test hides the GPU: torch caches the device count, and a CUDA test
 # after a hidden one must still find it.

@@ -6,11 +6,12 @@ placements, traffic by message kind and bad input."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
 import torch
-from _helpers import run_ranks, stop_after_checkpoint, toy_dataset
+from _helpers import free_port, run_ranks, stop_after_checkpoint, toy_dataset
 
 from gossip_pfl.algorithms.rules import FedLiLU, Inbox, ServerOpt
 from gossip_pfl.cli import main
@@ -475,10 +476,15 @@ PLACED = {
 SUMMARY_KEYS = ("test_accuracy", "test_accuracy_weighted", "train_accuracy", "train_loss")
 
 
-def _placed_summaries(out_dir) -> dict:
-    """Every PLACED config on this rank: {name: the summary's numbers}."""
+def _placed_summaries(out_dir, ports=None) -> dict:
+    """Every PLACED config on this rank: {name: the summary's numbers}. Under several ranks
+    each config's process group meets on its own port (``ports``): on the port of the group
+    just closed, a rank that is done with it can reach the other ranks' old store before they
+    close it, and that run never starts."""
     out = {}
-    for name, over in PLACED.items():
+    for k, (name, over) in enumerate(PLACED.items()):
+        if ports is not None:
+            os.environ["MASTER_PORT"] = str(ports[k])
         over = dict(over)
         cfg = cfg_for(f"{out_dir}/{name}", over.pop("algorithm"), rounds=3, **over)
         summary = run(cfg, dataset=toy_dataset(8), log=quiet)  # closes the process group
@@ -493,7 +499,8 @@ def placed(tmp_path_factory):
     root = tmp_path_factory.mktemp("placed")
     results = {1: _placed_summaries(root / "w1")}
     for world in (2, 4):
-        ranks = run_ranks(world, _placed_summaries, str(root / f"w{world}"))
+        ports = [free_port() for _ in PLACED]
+        ranks = run_ranks(world, _placed_summaries, str(root / f"w{world}"), ports)
         for status, value in ranks:
             assert status == "ok", value
         assert all(v == ranks[0][1] for _, v in ranks)  # every rank reports the same
