@@ -138,7 +138,10 @@ class LowRankGaussian:
             fixed += int(low.sum())
             zz = U @ torch.diag_embed(lam.clamp_min(self.min_eig)) @ U.transpose(-1, -2)
         A = torch.linalg.solve(zz, yz.transpose(-1, -2)).transpose(-1, -2)
-        floor = (A * yz).sum((-1, -2)) + self.d * self.min_var
+        explained = (A * yz).sum((-1, -2))
+        # + a margin for the cancellation in sigma^2 = (s_yy - explained) / d, where explained
+        # can be 1e8 (far off statistics): without it sigma^2 came out below min_var
+        floor = explained + self.d * self.min_var + 1e-12 * explained.abs()
         bad = yy < floor
         fixed += int(bad.sum())
         return self.join(zz, yz, torch.where(bad, floor, yy)), fixed
