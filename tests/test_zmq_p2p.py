@@ -89,22 +89,30 @@ def _threads(n: int, fn, *args) -> dict:
     return out
 
 
+def _ring_rows(n: int):
+    """One float64 row of 7 per rank, and a ring's mixing phase (self and both neighbours,
+    weight 1/3 each)."""
+    from topologies import Phase
+
+    x = torch.randn(n, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    i = np.arange(n)
+    phase = Phase(n, np.concatenate([i, i, i]), np.concatenate([i, (i + 1) % n, (i - 1) % n]),
+                  np.full(3 * n, 1 / 3))  # fmt: skip
+    return x, phase
+
+
 @pytest.mark.parametrize("drop", [0.0, 0.3])
 def test_lost_links_are_decided_alike_by_both_ends(drop):
     """Seeded link drops: both ends of every dropped link give it up, and a mix that moves
     their weight to the diagonal keeps the average (to rounding)."""
     from gossip_pfl.runtime.exchange import Exchanger
     from gossip_pfl.runtime.placement import Placement
-    from topologies import Phase
 
     n, rounds, peers = 4, 6, _ports(4)
     faults = zc.Faults(drop=drop, seed=3)
     comms = [zc.ZmqComm(k, peers, "cpu", 10, p2p=True, link_timeout_s=0.5, faults=faults)
              for k in range(n)]  # fmt: skip
-    x = torch.randn(n, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    i = np.arange(n)
-    phase = Phase(n, np.concatenate([i, i, i]), np.concatenate([i, (i + 1) % n, (i - 1) % n]),
-                  np.full(3 * n, 1 / 3))  # fmt: skip
+    x, phase = _ring_rows(n)
 
     def worker(comm, out, k):
         ex = Exchanger(Placement(n, n, k), comm)
@@ -143,15 +151,11 @@ def test_a_dead_peer_loses_only_its_own_links():
     per round than rank 2, so their late message lands after rank 2's own deadline."""
     from gossip_pfl.runtime.exchange import Exchanger
     from gossip_pfl.runtime.placement import Placement
-    from topologies import Phase
 
     n, rounds, dies, peers = 4, 5, 2, _ports(4)
     work = [0.0, 0.2, 0.0, 0.2]  # seconds of "local training" per round
     comms = [zc.ZmqComm(k, peers, "cpu", 10, p2p=True, link_timeout_s=1.0) for k in range(n)]
-    x = torch.randn(n, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
-    i = np.arange(n)
-    phase = Phase(n, np.concatenate([i, i, i]), np.concatenate([i, (i + 1) % n, (i - 1) % n]),
-                  np.full(3 * n, 1 / 3))  # fmt: skip
+    x, phase = _ring_rows(n)
 
     def worker(comm, out, k):
         ex = Exchanger(Placement(n, n, k), comm)
