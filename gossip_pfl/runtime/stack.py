@@ -210,7 +210,9 @@ class BatchedForward:
                 views[shape] = flat, flat.view(*shape, width)
             flat, x = views[shape]
             torch.index_select(inputs, 0, pos, out=flat)  # x: (A, B, P)
-            th_t = theta_t if rows is None else theta_t.index_select(0, rows)
+            # (A, M, P) rows, then the view: bmm is 3.5x faster on it than on the contiguous
+            # (A, P, M) that index_select makes of theta_t
+            th_t = theta_t if rows is None else theta.index_select(0, rows).mT
             r = torch.bmm(x, th_t).sigmoid_()  # (A, B, M)
             r = torch.addcmul(ycoef, r, coef).mT  # (A, M, B)
             if rows is None:
