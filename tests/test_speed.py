@@ -200,23 +200,20 @@ def test_batch_planner_draws_round_batches_plans_ahead():
 
     counts, peers = np.array([5, 40, 17, 0, 33]), np.array([4, 0, 2, 1, 3])
     planner = BatchPlanner()
-    try:
-        for t, stream, c in [(0, 0, counts), (1, 0, counts), (1, 1, counts), (2, 0, counts),
-                             (3, 0, np.where(peers == 2, 0, counts)), (4, 0, counts),
-                             (7, 0, counts)]:  # fmt: skip
-            got = planner(c, peers, 11, t, 8, 2, None, stream)
-            want = round_batches(c, peers, 11, t, 8, 2, None, stream)
-            for g, w in zip(got, want):
-                np.testing.assert_array_equal(g, w)
-        assert planner._ahead[0][0][-1] == 8  # the next round's plan is on its way
+    for t, stream, c in [(0, 0, counts), (1, 0, counts), (1, 1, counts), (2, 0, counts),
+                         (3, 0, np.where(peers == 2, 0, counts)), (4, 0, counts),
+                         (7, 0, counts)]:  # fmt: skip
+        got = planner(c, peers, 11, t, 8, 2, None, stream)
+        want = round_batches(c, peers, 11, t, 8, 2, None, stream)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)
+    assert planner._ahead[0][0][-1] == 8  # the next round's plan is on its way
 
-        def post(idx, weight):  # worked out with the plan, on the planner's thread
-            return (idx * weight).sum()
+    def post(idx, weight):  # worked out with the plan, on the planner's thread
+        return (idx * weight).sum()
 
-        for t in (8, 9, 9):  # drawn ahead, then in place (the same round again)
-            idx, weight, extra = planner(counts, peers, 11, t, 8, 2, None, 0, post)
-            want = round_batches(counts, peers, 11, t, 8, 2, None, 0)
-            np.testing.assert_array_equal(idx, want[0])
-            assert extra == post(*want)
-    finally:
-        planner.close()
+    for t in (8, 9, 9):  # drawn ahead, then in place (the same round again)
+        idx, weight, extra = planner(counts, peers, 11, t, 8, 2, None, 0, post)
+        want = round_batches(counts, peers, 11, t, 8, 2, None, 0)
+        np.testing.assert_array_equal(idx, want[0])
+        assert extra == post(*want)

@@ -383,19 +383,17 @@ class BatchPlanner:
         counts = np.asarray(counts, dtype=np.int64)
         key = (counts.tobytes(), np.asarray(peers).tobytes(), seed, batch_size, epochs, steps,
                post)  # fmt: skip
-        args = (counts, peers, seed, round_, batch_size, epochs, steps, stream, post)
+        rest = (batch_size, epochs, steps, stream, post)
         ahead = self._ahead.pop(stream, None)
-        plan = ahead[1].result() if ahead and ahead[0] == (*key, round_) else _plan(*args)
+        if ahead and ahead[0] == (*key, round_):
+            plan = ahead[1].result()
+        else:
+            plan = _plan(counts, peers, seed, round_, *rest)
         if self._pool is None or self._pid != os.getpid():  # a forked child has no thread
             self._pool, self._pid = ThreadPoolExecutor(1, "batch-plan"), os.getpid()
-        args = (counts, peers, seed, round_ + 1, batch_size, epochs, steps, stream, post)
-        self._ahead[stream] = ((*key, round_ + 1), self._pool.submit(_plan, *args))
+        nxt = self._pool.submit(_plan, counts, peers, seed, round_ + 1, *rest)
+        self._ahead[stream] = ((*key, round_ + 1), nxt)
         return plan
-
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool, self._ahead = None, {}
 
 
 def _plan(counts, peers, seed, round_, batch_size, epochs, steps, stream, post) -> tuple:

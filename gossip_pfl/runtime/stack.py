@@ -268,10 +268,9 @@ class BatchedForward:
         (the forward's product, :meth:`_linear`; it streams x once), and rounded
         differently: the synthetic table's accuracies do not move (docs/benchmarks.md)."""
         P = theta.shape[-1]
-        w_all, b_all = theta.split([P - 1, 1], -1)
         for rows, sl, xt, tgt, mask in split.linear_pieces(budget, theta.shape[1]):
             th = theta if rows is None else theta.index_select(0, rows)
-            w, b = (w_all, b_all) if rows is None else th.split([P - 1, 1], -1)
+            w, b = th.split([P - 1, 1], -1)
             yield rows, sl, torch.bmm(xt.mT, w.mT).mT.add_(b), tgt, mask
 
     def describe(self) -> str:

@@ -712,6 +712,9 @@ class ZmqComm:
         every = lt * ALIVE_EVERY
         alive_at = now + every
 
+        def extend(r: int) -> None:  # r's deadline: a link timeout from now, within timeout_s
+            until[r] = min(cap, max(until[r], time.monotonic() + lt))
+
         while True:
             now = time.monotonic()
             left_open = {r for r in links if r not in ahead and (r in waiting or r in need_ack)}
@@ -741,8 +744,7 @@ class ZmqComm:
             mop = (mkey[0], mkey[1], mkey[3])
             if kind in (EXCHANGE, ACK):  # a hello ends no silence: the peer may still wait
                 if sender in until and sender in self._silent and sender not in heard:
-                    # it is back: wait for it (a fresh link timeout)
-                    until[sender] = min(cap, max(until[sender], time.monotonic() + lt))
+                    extend(sender)  # it is back: wait for it (a fresh link timeout)
                 heard.add(sender)
             if kind == HELLO:
                 self._hello(mkey, msg)
@@ -751,7 +753,7 @@ class ZmqComm:
                 if sender not in left_open:
                     continue  # a neighbour this rank does not wait for
                 if mop < op:  # alive and coming: wait one more link timeout for it
-                    until[sender] = min(cap, max(until[sender], time.monotonic() + lt))
+                    extend(sender)
                     self.stats["extended"] += 1
                 elif mop > op:  # it has decided this exchange
                     ahead.add(sender)
