@@ -35,7 +35,11 @@ LABELS = {"gmm2d_fedem": "FedEM", "gmm2d_naive": "naive", "gmm2d_vr_fedem": "VR-
 
 def _run(name: str, out: Path, overrides: list[str] = ()) -> tuple[dict, list[dict]]:
     tag = name + ("_" + "_".join(o.split("=")[-1] for o in overrides) if overrides else "")
-    cfg = load_config(CONFIGS / f"{name}.yaml", [f"out={out / tag}", *overrides])
+    # one thread through runtime.threads: the run sets its own count (torch.set_num_threads
+    # before it would be overridden by the machine's default)
+    cfg = load_config(
+        CONFIGS / f"{name}.yaml", [f"out={out / tag}", "runtime.threads=1", *overrides]
+    )
     summary = run(cfg, log=lambda *a: None)
     rows = [json.loads(x) for x in (out / tag / "metrics.jsonl").read_text().splitlines()]
     print(f"  {tag}: {summary['wall_seconds']:.1f} s, h_sq {summary['h_sq']:.3g}", flush=True)
@@ -73,7 +77,6 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    torch.set_num_threads(1)
     lines = []
     print("(a) synthetic 2-D mixture", flush=True)
     start = time.perf_counter()

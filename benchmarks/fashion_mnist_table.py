@@ -8,6 +8,8 @@ once per seed and the table adds the mean over seeds.
 
     python benchmarks/fashion_mnist_table.py [--rounds 100] [--only fedem,dfedem]
     python benchmarks/fashion_mnist_table.py --threads 1 --seeds 1235,1236 --only fedavg,fedem
+    python benchmarks/fashion_mnist_table.py --threads 1 --only fedem_smoothed \
+        --set runtime.precision=bf16 --out runs/fashion_mnist_bf16
 
 The thread count changes the float rounding of the convolutions, and over 100 rounds that moves
 a run by about a point, so compare runs made with the same ``--threads``.
@@ -20,7 +22,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from gossip_pfl.config import load_config
 from gossip_pfl.train import run
@@ -44,10 +45,12 @@ def main() -> None:
         "--seeds", default="", help="comma-separated training seeds (default: the configs')"
     )
     ap.add_argument("--out", default="runs/fashion_mnist", help="parent of the run directories")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads (0: runtime.threads' default)"
+    )
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for every run")  # fmt: skip
     args = ap.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
     names = args.only.split(",") if args.only else METHODS
     seeds = [int(s) for s in args.seeds.split(",")] if args.seeds else [None]
     results: dict[str, list] = {name: [] for name in names}
@@ -55,7 +58,8 @@ def main() -> None:
     for seed in seeds:
         for name in names:
             out = f"{args.out}/{name}" if seed is None else f"{args.out}/seed{seed}/{name}"
-            overrides = [f"out={out}"]
+            # runtime.threads, not torch.set_num_threads: the run sets its own thread count
+            overrides = [f"out={out}", f"runtime.threads={args.threads}", *args.set]
             if args.rounds:
                 overrides.append(f"rounds={args.rounds}")
             if seed is not None:
