@@ -13,6 +13,9 @@ mixing arithmetic cannot hide behind them and adds to the round.
     ring exchange with ZmqComm, as the collectives world (no acks) and as a peer-to-peer one
     (``p2p=True``: every message acknowledged), on its own loopback ports in the same processes,
     timed between the Gloo cases (issue 20's target: zmq <= 1.2 x bare batch_isend_irecv).
+    The received rows are left in ZeroMQ's frames (``hold=True``, as Exchanger.mix asks:
+    no copy into a tensor); "copied" fills the tensors, and "the same over zmq" is the whole
+    Exchanger.mix, to compare with the runtime's over Gloo.
 Goal (issue 3): runtime <= 1.1 x bare p2p, and below all_reduce.
 
     python benchmarks/bench_exchange.py [--params 10000000] [--ranks 4] [--repeats 10] [--no-zmq]
@@ -120,19 +123,30 @@ def _worker(
             "zmq_p2p": ZmqComm(rank, zmq_peers["zmq_p2p"], "cpu", 120, p2p=True),
         }
         zrecv_l, zrecv_r = torch.empty(params), torch.empty(params)
+        held = {}  # the last held exchange's rows, checked at the end
 
-        def zmq_exchange(comm):
+        def zmq_exchange(comm, hold=True):  # hold: the rows left in the frames, as mix does
             def fn():
                 comm.set_tag(comm.tag[0] + 1, 0)
                 p = comm.exchange({left: state[0], right: state[0]},
-                                  {left: zrecv_l, right: zrecv_r})  # fmt: skip
+                                  {left: zrecv_l, right: zrecv_r}, hold=hold)  # fmt: skip
                 p.wait_all()
                 if getattr(p, "lost", None):
                     raise RuntimeError(f"zmq p2p exchange lost links {p.lost}")
+                held.update(p.parts)
 
             return fn
 
-        zmq_cases = tuple((name, zmq_exchange(c)) for name, c in zcomms.items())
+        zex = Exchanger(Placement(world, world, rank), zcomms["zmq"])
+
+        def zmq_mix():  # the runtime's mix over zmq (the received rows added from the frames)
+            zcomms["zmq"].set_tag(zcomms["zmq"].tag[0] + 1, 0)
+            zex.mix(state, zex.plan(phase, key=0), out=spare)
+
+        zmq_cases = (("zmq", zmq_exchange(zcomms["zmq"])),
+                     ("zmq_copy", zmq_exchange(zcomms["zmq"], hold=False)),
+                     ("zmq_p2p", zmq_exchange(zcomms["zmq_p2p"])),
+                     ("zmq_mix", zmq_mix))  # fmt: skip
 
     results = {}
     cpu = {}  # this process's CPU seconds and the wall seconds, per case
@@ -156,10 +170,11 @@ def _worker(
         prev = cpu.get(name, (0.0, 0.0))
         cpu[name] = (prev[0] + busy, prev[1] + w1 - w0)
         results.setdefault(name, []).extend(times)
-    if zmq_cases:  # the rows zmq received are the neighbours'
+    if zmq_cases:  # the rows zmq received are the neighbours', copied and held
         for got, r in ((zrecv_l, left), (zrecv_r, right)):
             want = torch.randn(1, params, generator=torch.Generator().manual_seed(r))
             assert torch.equal(got, want[0]), f"rank {rank}: wrong row from rank {r}"
+            assert torch.equal(torch.cat(held[r]), want[0]), f"rank {rank}: wrong frames from {r}"
         for c in zcomms.values():
             c.close()
     queue.put((rank, {k: statistics.median(v) for k, v in results.items()}, cpu))
@@ -230,11 +245,13 @@ def main() -> None:
     labels = [("bare", "bare batch_isend_irecv (2 neighbours)")]
     if zmq_peers:
         labels += [("zmq", "zmq ZmqComm exchange (2 neighbours)"),
-                   ("zmq_p2p", "zmq ZmqComm exchange, p2p (acks)")]  # fmt: skip
+                   ("zmq_p2p", "zmq ZmqComm exchange, p2p (acks)"),
+                   ("zmq_copy", "  zmq, copied into the tensors")]  # fmt: skip
     for name, label in (
         *labels,
         ("comm", "runtime Exchanger.exchange (bytes only)"),
         ("ours", "runtime Exchanger.mix (exchange + mix)"),
+        *((("zmq_mix", "  the same over zmq"),) if zmq_peers else ()),
         ("replanned", "  the same, planned anew every round"),
         ("allreduce", "dist.all_reduce (same buffer)"),
         ("mix", "mixing arithmetic alone (no exchange)"),
@@ -247,7 +264,8 @@ def main() -> None:
               f"{'tuned' if zmq_opts['tune_malloc'] else 'as glibc starts'}; load average "
               f"{os.getloadavg()[0]:.2f}")  # fmt: skip
         print(f"# zmq / Gloo batch_isend_irecv: {med['zmq'] / med['bare']:.2f}x, p2p "
-              f"{med['zmq_p2p'] / med['bare']:.2f}x (target <= 1.2x)")  # fmt: skip
+              f"{med['zmq_p2p'] / med['bare']:.2f}x (target <= 1.2x); Exchanger.mix over zmq "
+              f"/ over Gloo: {med['zmq_mix'] / med['ours']:.2f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -192,12 +192,16 @@ class _PostedComm:
         return Pending([], sorted(recvs), self.rank)
 
 
+@pytest.mark.parametrize("rowwise", [False, True])
 @pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("world", [1, 3, 4])
-def test_every_rank_plan_reproduces_the_dense_product(world, sparse, monkeypatch):
+def test_every_rank_plan_reproduces_the_dense_product(world, sparse, rowwise, monkeypatch):
     """Each rank's sends, receive buffer and two mixing blocks give its rows of W @ X, for
-    random sparse W with an aggregating hub node (on rank 0), dense or sparse blocks, over a
-    sequence of phases that receive more or fewer rows (the receive buffer is reused)."""
+    random sparse W with an aggregating hub node (on rank 0), dense or sparse blocks, the
+    received rows in one product or one by one, over a sequence of phases that receive more
+    or fewer rows (the receive buffer is reused)."""
+    monkeypatch.setattr(exchange, "ROWWISE_ROWS", 10**6 if rowwise else 0)
+    monkeypatch.setattr(exchange, "ROWWISE_CHUNK", 3)  # chunks of 3 columns per local row
     monkeypatch.setattr(exchange, "DENSE_BLOCK_ENTRIES", 0 if sparse else 10**6)
     monkeypatch.setattr(exchange, "DENSE_BLOCK_FILL", 2.0)  # a quarter-full block stays sparse
     n_peers, size, d = 11, 12, 5
@@ -224,6 +228,31 @@ def test_every_rank_plan_reproduces_the_dense_product(world, sparse, monkeypatch
             assert r not in plans[r].sends
             for src, k in plans[r].recv_counts.items():  # what r receives is what src sends it
                 assert len(posted[src, r]) == k
+
+
+def test_rows_added_one_by_one_do_not_depend_on_how_they_are_cut(monkeypatch):
+    """add_rows over rows cut into uneven parts (as zmq frames cut them, across rows) gives
+    the bits of adding whole rows one at a time, and the product up to rounding; a sender
+    left out (a lost link) adds nothing."""
+    monkeypatch.setattr(exchange, "ROWWISE_CHUNK", 10)  # 5 columns per chunk for 2 rows
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(2, 13, generator=g)
+    w = torch.rand(2, 5, generator=g)
+    rows = torch.randn(5, 13, generator=g)  # sender A: rows 0-2, sender B: rows 3-4
+    flat_a, flat_b = rows[:3].reshape(-1), rows[3:].reshape(-1)
+    cut_a = list(flat_a.split([4, 0, 17, 1, 17]))  # parts straddle rows and chunks
+    cut_b = list(flat_b.split([13, 13]))
+    whole, cut = base.clone(), base.clone()
+    exchange.add_rows(whole, w, [(0, 3, [flat_a]), (3, 2, [flat_b])])
+    exchange.add_rows(cut, w, [(0, 3, cut_a), (3, 2, cut_b)])
+    want = base.clone()
+    for k in range(5):
+        want += w[:, k : k + 1] * rows[k]
+    assert torch.equal(whole, want) and torch.equal(cut, want)
+    torch.testing.assert_close(cut, base + w @ rows)
+    only_b = base.clone()
+    exchange.add_rows(only_b, w, [(3, 2, cut_b)])
+    torch.testing.assert_close(only_b, base + w[:, 3:] @ rows[3:])
 
 
 @pytest.mark.parametrize("world", [0, 9])

@@ -249,13 +249,17 @@ def _mix_phases(n: int) -> list:
 
 
 def _exchanger_worker(peers, n, transport):
+    from gossip_pfl.runtime import exchange
     from gossip_pfl.runtime.comm import init_comm
-    from gossip_pfl.runtime.exchange import Exchanger
+    from gossip_pfl.runtime.exchange import Exchanger, _rowwise
     from gossip_pfl.runtime.placement import Placement
 
     rank, world = int(os.environ["RANK"]), len(peers)
     x = torch.randn(n, 33, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
     if transport == "zmq":
+        # frames of 5 float64 and mixing chunks of 7 columns: rows cut across frames and
+        # chunks, where Gloo's arrive whole (the mix must not depend on it)
+        zc.CHUNK, exchange.ROWWISE_CHUNK = 40, 7
         comm = build_comm("zmq", "cpu", 20.0, peers=peers, rank=rank)
     else:
         comm = init_comm("cpu", "gloo", 20.0)
@@ -265,6 +269,7 @@ def _exchanger_worker(peers, n, transport):
     try:
         for k, phase in enumerate(_mix_phases(n)):
             comm.set_tag(0, k)
+            assert _rowwise(ex.plan(phase))  # the received rows are added one by one
             state = ex.mix(state, ex.plan(phase))
     finally:
         comm.close()

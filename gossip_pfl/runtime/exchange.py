@@ -3,7 +3,9 @@
 Every rank derives the same phase from the schedule, so each works out on its own which rows it
 must send to and receive from every other rank: no negotiation messages. Per phase, one fused
 flat buffer travels per neighbouring rank (all components, all peers needed), and the mix itself
-is one sparse matrix product over the rank's stacked rows plus the received ones.
+is a matrix product over the rank's own rows plus, for the received ones, one product over the
+receive buffer or, when they are few (``ROWWISE_ROWS``), each row added in turn straight from
+where the transport left it (zmq's frames: no copy into the buffer; :func:`add_rows`).
 """
 
 from __future__ import annotations
@@ -177,12 +179,16 @@ class Exchanger:
             self._cache[key] = plan
         return plan
 
-    def start(self, state: torch.Tensor, plan: PhasePlan):
+    def start(self, state: torch.Tensor, plan: PhasePlan, hold: bool = False):
         """Post the phase's sends and receives; returns (pending, the receive buffer, its row
-        slices by sending rank)."""
+        slices by sending rank). ``hold``: a transport that can (``zero_copy``) may leave
+        the received rows in its own buffers (``pending.parts``) instead of the buffer."""
         sends = {r: state[idx] for r, idx in plan.sends.items()}
         whole, recvs = self.recv_buffers(plan, state)
-        pending = self.comm.exchange(sends, recvs)
+        if hold and getattr(self.comm, "zero_copy", False):
+            pending = self.comm.exchange(sends, recvs, hold=True)
+        else:
+            pending = self.comm.exchange(sends, recvs)
         self.messages_sent += len(sends)
         self.bytes_sent += sum(b.numel() * b.element_size() for b in sends.values())
         return pending, whole, recvs
@@ -202,24 +208,76 @@ class Exchanger:
         ``state`` is (local nodes, D); the result goes into ``out`` (a spare tensor of the same
         shape, not ``state``: its rows may still be on the wire) or a new tensor.
         """
-        pending, whole, recvs = self.start(state, plan)
+        rowwise = _rowwise(plan)
+        pending, whole, recvs = self.start(state, plan, hold=rowwise)
         if plan.own.dtype != state.dtype:  # cast once, reused by later rounds
             plan.own = plan.own.to(state.dtype)
             plan.received = None if plan.received is None else plan.received.to(state.dtype)
-        # The own block is computed while the neighbours' bytes are still on the wire; the
-        # received rows then go in with one product over the whole buffer (one pass over the
-        # output, where a product per sending rank would make one pass each: 1.34x instead of
-        # 1.43x the bare exchange in benchmarks/bench_exchange.py).
+        # The own block is computed while the neighbours' bytes are still on the wire.
         out = _matmul(plan.own, state, out)
         pending.wait_all()
         lost = getattr(pending, "lost", None)  # a peer-to-peer link that did not count
         if lost:
             drop_links(plan, lost, state, out, recvs)
-        if plan.received is not None:  # in place, no temporary, no host sync for a 1 x 1 block
+        if rowwise:  # a few received rows: one pass over the output, from wherever they lie
+            held, first, senders = getattr(pending, "parts", {}), 0, []
+            for r, count in plan.recv_counts.items():
+                if r not in (lost or ()):
+                    senders.append((first, count, held.get(r) or [recvs[r].reshape(-1)]))
+                first += count
+            add_rows(out, plan.received, senders)
+        elif plan.received is not None:  # one product over the whole buffer, in place
             out.addmm_(plan.received, whole)
         if self.on_mix is not None:
             self.on_mix(state, out, lost or set())
         return out
+
+
+#: received rows up to which the mix adds them one by one (:func:`add_rows`) rather than in
+#: one product: the same numbers on every transport and however the rows arrived in pieces
+ROWWISE_ROWS = 8
+#: columns per step of :func:`add_rows` on a CPU, times the local rows (its temporary stays
+#: in cache)
+ROWWISE_CHUNK = 1 << 18
+
+
+def _rowwise(plan: PhasePlan) -> bool:
+    """Whether the phase adds its received rows one by one (a dense block of few rows)."""
+    block = plan.received
+    return block is not None and block.layout == torch.strided and block.shape[1] <= ROWWISE_ROWS
+
+
+def add_rows(out: torch.Tensor, weights: torch.Tensor, senders: list) -> None:
+    """``out += weights @ rows`` with the rows added one at a time in buffer order, each as a
+    product then a sum (two correctly rounded operations per element, so the result does not
+    depend on how the rows are cut: the zmq transport's frames give the bits of torch's one
+    buffer). ``senders``: (its first weight column, rows, parts) in buffer order, where the
+    parts are 1-D tensors that together are the sender's (rows, D) flattened; a sender left
+    out (a lost link) adds nothing.
+
+    The columns go in chunks, every row of a chunk before the next chunk, so the output is
+    read and written once, as in one product."""
+    L, D = out.shape
+    # chunks for a CPU's cache; a GPU takes each row whole (fewer kernel launches)
+    step = max(1, ROWWISE_CHUNK // max(1, L)) if out.device.type == "cpu" else max(1, D)
+    tmp = out.new_empty((L, min(step, D)))
+    rows = []  # (weight column, parts, their start offsets, row index)
+    for first, count, parts in senders:
+        starts = np.cumsum([0, *(p.numel() for p in parts)])
+        rows += [(first + i, parts, starts, i) for i in range(count)]
+    cols = {c: weights[:, c : c + 1] for c, *_ in rows}
+    for c0 in range(0, D, step):
+        c1 = min(D, c0 + step)
+        t = tmp[:, : c1 - c0]
+        for c, parts, starts, i in rows:
+            lo, hi = i * D + c0, i * D + c1  # this chunk in the rank's flat rows
+            k = int(np.searchsorted(starts, lo, side="right")) - 1
+            while lo < hi:
+                a, b = int(lo - starts[k]), int(min(hi, starts[k + 1]) - starts[k])
+                at = int(lo - (i * D + c0))
+                torch.mul(parts[k][a:b], cols[c], out=t[:, at : at + b - a])
+                lo, k = starts[k] + b, k + 1
+            out[:, c0:c1].add_(t)
 
 
 def drop_links(plan: PhasePlan, lost, state, out, recvs: dict[int, torch.Tensor]) -> None:
