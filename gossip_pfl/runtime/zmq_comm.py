@@ -352,6 +352,7 @@ class ZmqComm:
 
     def _finish(self, key) -> None:
         self._active = None
+        self._parts = None  # the held frames now belong to the pending exchange alone
         self._queue.pop(key, None)
 
     def _is_past(self, key) -> bool:
