@@ -236,9 +236,10 @@ class Exchanger:
 #: received rows up to which the mix adds them one by one (:func:`add_rows`) rather than in
 #: one product: the same numbers on every transport and however the rows arrived in pieces
 ROWWISE_ROWS = 8
-#: columns per step of :func:`add_rows` on a CPU, times the local rows (its temporary stays
-#: in cache)
+#: elements of :func:`add_rows`' temporary (local rows x columns per step): on a CPU 1 MB of
+#: float32, which stays in cache; on a GPU 64 MB (few kernel launches, bounded memory)
 ROWWISE_CHUNK = 1 << 18
+ROWWISE_CHUNK_GPU = 1 << 24
 
 
 def _rowwise(plan: PhasePlan) -> bool:
@@ -258,8 +259,9 @@ def add_rows(out: torch.Tensor, weights: torch.Tensor, senders: list) -> None:
     The columns go in chunks, every row of a chunk before the next chunk, so the output is
     read and written once, as in one product."""
     L, D = out.shape
-    # chunks for a CPU's cache; a GPU takes each row whole (fewer kernel launches)
-    step = max(1, ROWWISE_CHUNK // max(1, L)) if out.device.type == "cpu" else max(1, D)
+    # chunks for a CPU's cache; on a GPU large ones (few kernel launches, a bounded temporary)
+    chunk = ROWWISE_CHUNK if out.device.type == "cpu" else ROWWISE_CHUNK_GPU
+    step = max(1, chunk // max(1, L))
     tmp = out.new_empty((L, min(step, D)))
     rows = []  # (weight column, parts, their start offsets, row index)
     for first, count, parts in senders:
