@@ -32,3 +32,22 @@ def test_cuda_run_equals_cpu_run(tmp_path):
     np.testing.assert_allclose(on_gpu.shared_parameters(), on_cpu.shared_parameters(),
                                rtol=1e-4, atol=1e-5)  # fmt: skip
     assert torch.cuda.is_available()
+
+
+def test_rows_added_on_cuda_give_the_cpu_bits(monkeypatch):
+    """add_rows is a product then a sum per element, each correctly rounded: a GPU's chunks
+    (a bounded temporary) give the CPU's bits."""
+    from gossip_pfl.runtime import exchange
+
+    monkeypatch.setattr(exchange, "ROWWISE_CHUNK_GPU", 3 * 100)  # 100 columns per step
+    g = torch.Generator().manual_seed(0)
+    base, w = torch.randn(3, 1001, generator=g), torch.rand(3, 4, generator=g)
+    rows = torch.randn(4, 1001, generator=g)
+    out = {}
+    for dev in ("cpu", "cuda"):
+        o = base.to(dev)
+        flat = rows.to(dev).reshape(-1)
+        parts = list(flat[1001:].split(999))  # pieces across rows
+        exchange.add_rows(o, w.to(dev), [(0, 1, [flat[:1001]]), (1, 3, parts)])
+        out[dev] = o.cpu()
+    assert torch.equal(out["cpu"], out["cuda"])
