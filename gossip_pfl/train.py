@@ -347,7 +347,8 @@ class Trainer(RoundLoop):
         )  # fmt: skip
         self.steps_taken.copy_(torch.as_tensor((weight.sum(-1) > 0).sum(0), device=self.device))
         if fused:
-            neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_host
+            with np.errstate(over="ignore"):  # an lr past float32: the finite check names it
+                neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_host
             qe = None if q is None else q.expand(L, self.M, -1)  # (L, M, N)
             plan = linear_round(host[0], self.train, neg, qe)
             self.forward.linear_sgd_round(theta, self.train.augmented, plan)
