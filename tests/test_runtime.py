@@ -201,6 +201,7 @@ def test_every_rank_plan_reproduces_the_dense_product(world, sparse, rowwise, mo
     received rows in one product or one by one, over a sequence of phases that receive more
     or fewer rows (the receive buffer is reused)."""
     monkeypatch.setattr(exchange, "ROWWISE_ROWS", 10**6 if rowwise else 0)
+    monkeypatch.setattr(exchange, "ROWWISE_LOCAL", 10**6)
     monkeypatch.setattr(exchange, "ROWWISE_CHUNK", 3)  # chunks of 1 to 3 columns
     monkeypatch.setattr(exchange, "DENSE_BLOCK_ENTRIES", 0 if sparse else 10**6)
     monkeypatch.setattr(exchange, "DENSE_BLOCK_FILL", 2.0)  # a quarter-full block stays sparse

@@ -520,7 +520,7 @@ class ZmqComm:
         if why:
             self._drop("bad", key, msg, why)
             return False
-        if self._parts is not None and into.device.type == "cpu":  # left in the frames
+        if self._parts is not None and into.device.type == "cpu" and into.is_contiguous():
             frames = [self._pull.recv(copy=False)]
             while self._pull.getsockopt(zmq.RCVMORE):
                 frames.append(self._pull.recv(copy=False))
@@ -558,7 +558,7 @@ class ZmqComm:
         if why:  # its payload was read with it when it was queued
             self._count_drop("unexpected" if into is None else "bad", key, msg, why)
             return False
-        if self._parts is not None and into.device.type == "cpu":
+        if self._parts is not None and into.device.type == "cpu" and into.is_contiguous():
             return self._hold(key, msg, msg.data, into, waiting)
         if into.device.type == "cpu" and into.is_contiguous():
             dest = into
@@ -576,15 +576,22 @@ class ZmqComm:
 
     def _hold(self, key, msg: _Msg, frames: list, into: torch.Tensor, waiting: dict) -> bool:
         """Keep a message's payload frames as ``into``'s parts (1-D tensors over ZeroMQ's
-        buffers, no copy) after checking their size; True if it landed."""
-        size = sum(len(f.buffer) for f in frames)
-        if size != into.numel() * into.element_size():
+        buffers, no copy; ``into`` is a contiguous CPU tensor) after checking their size; True
+        if it landed."""
+        size, esize = sum(len(f.buffer) for f in frames), into.element_size()
+        if size != into.numel() * esize:
             self._count_drop("bad", key, msg, f"{size} payload bytes for {list(msg.shape)}")
             return False
-        # a frame holds whole elements (CHUNK is a multiple of every element size)
-        self._parts[msg.sender] = [
-            torch.frombuffer(f.buffer, dtype=into.dtype) for f in frames if len(f.buffer)
-        ]
+        bufs = [np.frombuffer(f.buffer, dtype=np.uint8) for f in frames if len(f.buffer)]
+        # our sends cut frames at whole elements (CHUNK is a multiple of every element size);
+        # bytes cut otherwise, or a frame libzmq placed at an odd address, are copied instead
+        if all(len(b) % esize == 0 and b.ctypes.data % esize == 0 for b in bufs):
+            self._parts[msg.sender] = [torch.from_numpy(b).view(into.dtype) for b in bufs]
+        else:
+            view, at = _as_bytes(into), 0
+            for b in bufs:
+                view[at : at + len(b)] = b
+                at += len(b)
         del waiting[msg.sender]
         self._filled.add(msg.sender)
         return True
