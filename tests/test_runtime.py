@@ -153,6 +153,30 @@ def _die_at_round_2(cfg):
     return "finished"
 
 
+def _three_groups(store_port: int):
+    from gossip_pfl.runtime.comm import init_comm
+
+    os.environ["MASTER_PORT"] = str(store_port)  # the "agent's" store, kept across groups
+    sums = []
+    for k in range(3):  # three runs in one job, as a sweep under one torchrun
+        comm = init_comm("cpu", "gloo", 20)
+        sums.append(comm.all_reduce_sum(torch.full((1,), comm.rank + 10.0 * k)).item())
+        comm.close()
+    return sums
+
+
+def test_one_job_makes_several_process_groups():
+    """Under torchrun every group's keys land in the agent's one store: each group's under
+    its own prefix, so a later group never reads an earlier one's (closed) addresses (Gloo's
+    "connection refused"). Here this process plays the agent and holds the store."""
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    env = {"TORCHELASTIC_USE_AGENT_STORE": "True"}
+    results = run_ranks(2, _three_groups, store.port, timeout=90, env=env)
+    assert results == [("ok", [1.0, 21.0, 41.0])] * 2, results
+
+
 def test_dead_rank_makes_others_fail_fast(tmp_path):
     cfg = make_cfg(tmp_path, "ring", rounds=6)
     cfg.runtime.timeout_s = 5

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import itertools
 import os
 import warnings
 from collections.abc import Callable
@@ -208,6 +209,9 @@ def world_from_env() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
+_GROUPS = itertools.count()  # process groups made by this process, the same count on every rank
+
+
 def init_comm(device: str = "auto", backend: str = "auto", timeout_s: float = 300.0):
     """Build the transport for this process from torchrun's environment.
 
@@ -245,7 +249,14 @@ def init_comm(device: str = "auto", backend: str = "auto", timeout_s: float = 30
         os.environ.setdefault("TORCH_NCCL_BLOCKING_WAIT", "1")
         if "device_id" in inspect.signature(dist.init_process_group).parameters:
             kwargs["device_id"] = dev  # binds the communicator to this GPU (torch >= 2.3)
-    dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout, **kwargs)
+    # Each group's keys under their own prefix: a second run in the same job (a sweep under one
+    # torchrun) would otherwise meet the first group's addresses in torchrun's store and try
+    # to connect to ports closed with it (Gloo: "connection refused", now and then).
+    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+    store = dist.PrefixStore(f"gossip_pfl/group{next(_GROUPS)}", store)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs
+    )
     comm = TorchComm(dev, rank, world, backend)
     # NCCL: if the first operation of a group is a batched p2p call, all ranks must join it;
     # a small all_reduce first sets up the communicator on every rank.
