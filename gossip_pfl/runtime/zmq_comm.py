@@ -178,6 +178,14 @@ def _as_bytes(t: torch.Tensor):
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def _copy_frames(buffers: list, into: torch.Tensor) -> None:
+    """A payload's frame buffers, in order, into the bytes of a contiguous CPU tensor."""
+    view, at = _as_bytes(into), 0
+    for b in buffers:
+        view[at : at + len(b)] = b
+        at += len(b)
+
+
 @dataclass(frozen=True)
 class Faults:
     """Seeded fault injection (tests, benchmarks). In each exchange the link between two
@@ -224,9 +232,8 @@ class ZmqPending:
     trackers: list = field(default_factory=list)
     keep: list = field(default_factory=list)  # tensors ZeroMQ may still read from
     done: bool = False
-    #: ``hold=True``: received rows left in ZeroMQ's frames, by sender (1-D tensors over the
-    #: frames, in order; ``recvs[sender]`` is then not filled)
-    hold: bool = False
+    #: ``exchange(hold=True)``: received rows left in ZeroMQ's frames, by sender (1-D tensors
+    #: over the frames, in order; ``recvs[sender]`` is then not filled)
     parts: dict[int, list[torch.Tensor]] = field(default_factory=dict)
 
     sends: set[int] = field(default_factory=set)  # ranks sent to (p2p: they owe an ack)
@@ -520,7 +527,7 @@ class ZmqComm:
         if why:
             self._drop("bad", key, msg, why)
             return False
-        if self._parts is not None and into.device.type == "cpu" and into.is_contiguous():
+        if self._holding(into):
             frames = [self._pull.recv(copy=False)]
             while self._pull.getsockopt(zmq.RCVMORE):
                 frames.append(self._pull.recv(copy=False))
@@ -558,21 +565,22 @@ class ZmqComm:
         if why:  # its payload was read with it when it was queued
             self._count_drop("unexpected" if into is None else "bad", key, msg, why)
             return False
-        if self._parts is not None and into.device.type == "cpu" and into.is_contiguous():
+        if self._holding(into):
             return self._hold(key, msg, msg.data, into, waiting)
         if into.device.type == "cpu" and into.is_contiguous():
             dest = into
         else:
             dest = torch.empty(into.shape, dtype=into.dtype)
-        view, at = _as_bytes(dest), 0
-        for f in msg.data:
-            view[at : at + len(f.buffer)] = f.buffer
-            at += len(f.buffer)
+        _copy_frames([f.buffer for f in msg.data], dest)
         if dest is not into:
             into.copy_(dest)
         del waiting[msg.sender]
         self._filled.add(msg.sender)
         return True
+
+    def _holding(self, into: torch.Tensor) -> bool:
+        """Whether the active exchange keeps the frames meant for ``into`` (hold=True)."""
+        return self._parts is not None and into.device.type == "cpu" and into.is_contiguous()
 
     def _hold(self, key, msg: _Msg, frames: list, into: torch.Tensor, waiting: dict) -> bool:
         """Keep a message's payload frames as ``into``'s parts (1-D tensors over ZeroMQ's
@@ -588,10 +596,7 @@ class ZmqComm:
         if all(len(b) % esize == 0 and b.ctypes.data % esize == 0 for b in bufs):
             self._parts[msg.sender] = [torch.from_numpy(b).view(into.dtype) for b in bufs]
         else:
-            view, at = _as_bytes(into), 0
-            for b in bufs:
-                view[at : at + len(b)] = b
-                at += len(b)
+            _copy_frames(bufs, into)
         del waiting[msg.sender]
         self._filled.add(msg.sender)
         return True
@@ -853,7 +858,7 @@ class ZmqComm:
         r, under the current tag; the returned ``ZmqPending.wait_all`` fills ``recvs`` (with
         ``hold``, the CPU ones are left in ZeroMQ's frames instead: ``pending.parts``)."""
         key = self._take_key(EXCHANGE)
-        pending = ZmqPending(self, key, dict(recvs), sends=set(sends), hold=hold)
+        pending = ZmqPending(self, key, dict(recvs), sends=set(sends))
         self._parts = pending.parts if hold else None
         if self.p2p and self.faults.drop:  # both ends draw the same number: neither waits
             pending.down = {r for r in {*sends, *recvs} if self.faults.link_down(key, self.rank, r)}
