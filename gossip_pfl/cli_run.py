@@ -27,6 +27,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", help="output directory (overrides the config's 'out')")
     p.add_argument("--quiet", action="store_true", help="print only errors and the summary")
     p.add_argument(
+        "--no-plots",
+        action="store_true",
+        help="write no figures (a sweep draws them later with gossip-pfl plot)",
+    )
+    p.add_argument(
         "--overwrite",
         action="store_true",
         help="replace the run already in the output folder (default: refuse)",
@@ -79,7 +84,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         from gossip_pfl.train import workload_class
 
         workload = workload_class(get_algorithm(cfg.algorithm.name).workload)
-        plots = workload.write_plots(Path(cfg.out))
+        plots = [] if args.no_plots else workload.write_plots(Path(cfg.out))
         keys = tuple(k for k in workload.summary_keys if k in summary)
         width = max(map(len, keys))
         print(f"results ({cfg.algorithm.name}, written to {Path(cfg.out) / 'summary.json'}):")

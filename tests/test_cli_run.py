@@ -26,6 +26,13 @@ def test_demo_run_prints_results_table(tmp_path, capsys):
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) >= 1
 
 
+def test_no_plots_writes_the_run_without_figures(tmp_path, capsys):
+    assert main(["run", "--set", "rounds=2", "--out", str(tmp_path), "--no-plots"]) == 0
+    out = capsys.readouterr().out
+    assert "results (dfedem" in out and "plots:" not in out
+    assert (tmp_path / "summary.json").is_file() and not (tmp_path / "plots").exists()
+
+
 def test_unknown_override_is_one_line_error(tmp_path, capsys):
     assert main(["run", "--set", "algorithm.lrr=0.1", "--out", str(tmp_path)]) != 0
     err = capsys.readouterr().err.strip().splitlines()

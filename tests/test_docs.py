@@ -4,7 +4,8 @@ checked here.
 * Every command of a ```bash block runs, page by page in document order, in a scratch folder
   that sees the repository's configs/, launch/ and benchmarks/ (so nothing a page writes lands
   in the repository). ``gossip-pfl`` commands run in this process (no interpreter start-up);
-  ``gossip-pfl run`` gets a small round count and smaller data (``small_run_args``). Commands
+  ``gossip-pfl run`` gets a small round count and smaller data (``small_run_args``) and no
+  figures (``--no-plots``; tests/test_plots.py checks them). Commands
   that need many torchrun ranks, a GPU, SLURM or many minutes are checked by parsing only: their
   script exists and compiles and takes the options given. ``RULES`` says, for every kind of
   command, what is done with it; a command no rule covers fails the test.
@@ -317,7 +318,9 @@ def _run(ws: Workspace, argv: list[str], env: dict[str, str]) -> str:
         args = [a for arg in argv[1:] for a in (sorted(Path().glob(arg)) if "*" in arg else [arg])]
         args = [str(a) for a in args]
         if args and args[0] == "run" and "--help" not in args:
-            args = args + small_run_args(args[1:])
+            # figures cost a second a run (matplotlib); tests/test_cli_run.py and
+            # tests/test_plots.py check them, and a page's `gossip-pfl plot` still draws its own
+            args = args + small_run_args(args[1:]) + ["--no-plots"]
             ws.ran_configs.update(Path(a).resolve() for a in args if a.endswith(".yaml"))
         ws.gossip_pfl(args, env)
         return "ran"
