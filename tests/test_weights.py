@@ -72,11 +72,38 @@ def test_fmmc_repeats_exactly_on_the_first_order_solver():
     import networkx as nx
 
     graph = nx.karate_club_graph()
-    runs = [wts.fmmc(graph) for _ in range(3)]
+    runs = [wts.fmmc(graph, cache=False) for _ in range(3)]  # the solver each time
     for other in runs[1:]:
         np.testing.assert_array_equal(other, runs[0])
     assert rho(runs[0]) < rho(wts.metropolis(graph))
     assert rho(runs[0]) == pytest.approx(0.95356, abs=5e-4)  # 5,000 iterations: 0.953558
+
+
+def test_fmmc_weights_are_cached_per_graph_and_solver(tmp_path, monkeypatch):
+    """A solved graph is read back, not solved again; another graph, other solver options or
+    cache=False solve; a damaged cache file is solved again and rewritten."""
+    monkeypatch.setenv("GOSSIP_PFL_CACHE", str(tmp_path))
+    calls = []
+    solve = wts._solve_fmmc
+
+    def counted(*args):
+        calls.append(args[0])
+        return solve(*args)
+
+    monkeypatch.setattr(wts, "_solve_fmmc", counted)
+    graph = g.erdos_renyi(40, 0.3, seed=3)
+    first = wts.fmmc(graph)
+    (path,) = (tmp_path / "fmmc").glob("n40-*.npy")
+    np.testing.assert_array_equal(wts.fmmc(graph), first)
+    assert len(calls) == 1
+    np.testing.assert_array_equal(wts.fmmc(graph, cache=False), first)  # SCS repeats exactly
+    wts.fmmc(g.erdos_renyi(40, 0.3, seed=4))
+    wts.fmmc(graph, solver_options={"max_iters": 500})
+    assert len(calls) == 4 and len(list((tmp_path / "fmmc").glob("*.npy"))) == 3
+    path.write_bytes(b"not an array")
+    np.testing.assert_array_equal(wts.fmmc(graph), first)
+    assert len(calls) == 5 and np.load(path).shape == (graph.number_of_edges(),)
+    assert wts.fmmc_cache_dir() == tmp_path / "fmmc"
 
 
 def test_best_constant_capped_nonnegative_on_star():

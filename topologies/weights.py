@@ -11,8 +11,12 @@ then never build an ``n x n`` array, so they work for ``n = 100,000``.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
+import hashlib
+import os
 import warnings
+from pathlib import Path
 
 import networkx as nx
 import numpy as np
@@ -153,6 +157,7 @@ def fmmc(
     sparse: bool = False,
     solver: str | None = None,
     solver_options: dict | None = None,
+    cache: bool = True,
 ) -> np.ndarray | Phase:
     """Fastest Mixing Markov Chain weights (Boyd, Diaconis & Xiao 2004), solved as an SDP.
 
@@ -171,6 +176,11 @@ def fmmc(
     exactly feasible.
     Needs ``cvxpy`` (``pip install 'gossip-pfl[fmmc]'``).
 
+    The solver's edge weights are kept on disk (``$GOSSIP_PFL_CACHE/fmmc``, default
+    ``~/.cache/gossip-pfl/fmmc``), keyed by the edges, the solver, its options and the cvxpy
+    and solver versions: the paper's 300-node graph takes 5 to 9 s to solve and milliseconds
+    to read, and a run of the same config gets the same weights.
+
     Parameters
     ----------
     graph : networkx.Graph
@@ -182,6 +192,8 @@ def fmmc(
     solver_options : dict, optional
         Extra keyword arguments for the solver (SCS defaults: ``eps_abs = eps_rel = 1e-6``,
         ``max_iters = 2000``, no time limit).
+    cache : bool, default True
+        Read and write the solved weights in the cache folder (False: always solve).
 
     Examples
     --------
@@ -193,7 +205,11 @@ def fmmc(
     n, u, v, deg = _undirected_edges(graph, "fmmc")
     if n == 1 or len(u) == 0:
         return _symmetric(n, u, v, np.zeros(len(u)), sparse)
-    w = _solve_fmmc(n, u, v, solver, solver_options)
+    w = _cached_fmmc(n, u, v, solver, solver_options) if cache else None
+    if w is None:
+        w = _solve_fmmc(n, u, v, *_fmmc_solver(n, solver, solver_options))
+        if cache:
+            _store_fmmc(n, u, v, solver, solver_options, w)
     # Solver noise: clip tiny negatives and, if a node's weights sum past 1, shrink all weights
     # uniformly so that every self weight stays >= 0 (keeps W symmetric and stochastic).
     w = np.clip(w, 0.0, None)
@@ -208,7 +224,66 @@ def fmmc(
 _SCS_DEFAULTS = {"eps_abs": 1e-6, "eps_rel": 1e-6, "max_iters": 2000, "time_limit_secs": 0}
 
 
-def _solve_fmmc(n: int, u: np.ndarray, v: np.ndarray, solver, solver_options) -> np.ndarray:
+def _fmmc_solver(n: int, solver: str | None, solver_options: dict | None) -> tuple[str, dict]:
+    """The cvxpy solver and its options for a graph of ``n`` nodes."""
+    # Clarabel (interior point) is exact but its dense PSD blocks grow like n^4; SCS (first
+    # order) solves n = 100 in well under 5 s to ~1e-6.
+    chosen = solver or ("CLARABEL" if n <= 32 else "SCS")
+    options = dict(_SCS_DEFAULTS) if chosen == "SCS" else {}
+    options.update(solver_options or {})
+    return chosen, options
+
+
+def fmmc_cache_dir() -> Path:
+    """Where :func:`fmmc` keeps solved weights: ``$GOSSIP_PFL_CACHE/fmmc``, else
+    ``~/.cache/gossip-pfl/fmmc``."""
+    root = os.environ.get("GOSSIP_PFL_CACHE")
+    return (Path(root) if root else Path.home() / ".cache" / "gossip-pfl") / "fmmc"
+
+
+def _fmmc_key(n: int, u: np.ndarray, v: np.ndarray, solver, solver_options) -> Path:
+    """The cache file of this problem: a hash of the edges, the solver, its options and the
+    versions that could change its answer."""
+    from importlib import metadata
+
+    chosen, options = _fmmc_solver(n, solver, solver_options)
+    versions = []
+    for package in ("cvxpy", chosen.lower()):
+        try:
+            versions.append(metadata.version(package))
+        except metadata.PackageNotFoundError:
+            versions.append("-")
+    h = hashlib.sha256(f"{n}|{chosen}|{sorted(options.items())}|{versions}".encode())
+    h.update(np.ascontiguousarray(u, dtype=np.int64).tobytes())
+    h.update(np.ascontiguousarray(v, dtype=np.int64).tobytes())
+    return fmmc_cache_dir() / f"n{n}-{h.hexdigest()[:24]}.npy"
+
+
+def _cached_fmmc(n: int, u, v, solver, solver_options) -> np.ndarray | None:
+    """The cached edge weights, or None (not there, unreadable or not this graph's shape: it
+    is only a cache, so the problem is solved again)."""
+    try:
+        w = np.load(_fmmc_key(n, u, v, solver, solver_options), allow_pickle=False)
+    except (OSError, ValueError):
+        return None
+    return w if w.shape == u.shape and w.dtype == np.float64 else None
+
+
+def _store_fmmc(n: int, u, v, solver, solver_options, w: np.ndarray) -> None:
+    """Write atomically (temp file + rename); a cache that cannot be written is skipped."""
+    path = _fmmc_key(n, u, v, solver, solver_options)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.save(f, np.asarray(w, dtype=np.float64))
+        os.replace(tmp, path)
+    except OSError:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+def _solve_fmmc(n: int, u: np.ndarray, v: np.ndarray, chosen: str, options: dict) -> np.ndarray:
     try:
         import cvxpy as cp
         import scipy.sparse as sp
@@ -227,11 +302,6 @@ def _solve_fmmc(n: int, u: np.ndarray, v: np.ndarray, solver, solver_options) ->
     eye = np.eye(n)
     constraints = [w >= 0, deg_map @ w <= 1, dev << s * eye, dev >> -s * eye]
     problem = cp.Problem(cp.Minimize(s), constraints)
-    # Clarabel (interior point) is exact but its dense PSD blocks grow like n^4; SCS (first
-    # order) solves n = 100 in well under 5 s to ~1e-6.
-    chosen = solver or ("CLARABEL" if n <= 32 else "SCS")
-    options = dict(_SCS_DEFAULTS) if chosen == "SCS" else {}
-    options.update(solver_options or {})
     try:
         with warnings.catch_warnings():  # "solution may be inaccurate": cleaned up below
             warnings.simplefilter("ignore", UserWarning)
