@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -108,6 +109,17 @@ def measure(name: str, config: Path, overrides: list[str], rounds: int) -> dict:
     }
 
 
+def machine() -> str:
+    """The CPU, the SIMD level torch dispatches to and the cores: a round's seconds move by 2x
+    between machines of one name (AMD EPYC with AVX-512 or with AVX2), operation counts do not."""
+    from bench_rules import cpu_model
+
+    simd = torch.backends.cpu.get_cpu_capability()
+    gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return f"{cpu_model()} ({simd}, {cores} cores{gpu})"
+
+
 def commit() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
@@ -136,8 +148,11 @@ def main() -> None:
             print(f"# {name}: skipped ({type(err).__name__}: {str(err).splitlines()[0]})")
     rev = commit()
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"commit": rev, "records": records}, indent=2) + "\n")
-    print(f"# commit {rev}; written to {args.json}")
+    host = machine()
+    args.json.write_text(
+        json.dumps({"commit": rev, "machine": host, "records": records}, indent=2) + "\n"
+    )
+    print(f"# commit {rev}, {host}; written to {args.json}")
     print("| workload | peers x M | ops/round | compute ops/round | all ops/round | s/round "
           "| ops/eval | s/eval | threads |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")

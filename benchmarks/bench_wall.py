@@ -36,15 +36,25 @@ def worktree(rev: str) -> Path:
 
 def one_run(tree: Path, config: str, threads: int, sets: list[str], out: Path) -> dict:
     """``gossip-pfl run`` with ``tree``'s package first on the path; its summary."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    env.pop("OMP_NUM_THREADS", None)  # runtime.threads decides
-    args = ["--set", f"runtime.threads={threads}", *(a for s in sets for a in ("--set", s))]
+    # OMP_NUM_THREADS, not runtime.threads: the key is younger than the issue's anchor commit
+    # (5e626a6), and a run with runtime.threads: 0 (the default) takes the variable's count
+    env = {**os.environ, "PYTHONPATH": str(tree), "OMP_NUM_THREADS": str(threads)}
+    args = [a for s in sets for a in ("--set", s)]
     cmd = [sys.executable, "-m", "gossip_pfl", "run", str(ROOT / config), "--out", str(out)]
     shutil.rmtree(out, ignore_errors=True)  # a run refuses another run's folder
     done = subprocess.run(cmd + args, env=env, cwd=tree, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"{' '.join(cmd + args)} failed: {done.stderr.strip()[-500:]}")
     return json.loads((out / "summary.json").read_text())
+
+
+def head() -> str:
+    """This tree's commit (+dirty when it has uncommitted changes)."""
+    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                         capture_output=True, text=True).stdout.strip()  # fmt: skip
+    dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.strip()  # fmt: skip
+    return rev + ("+dirty" if dirty else "")
 
 
 def main() -> None:
@@ -73,7 +83,7 @@ def main() -> None:
         print(f"| {threads} | {base:.2f} ({', '.join(f'{w:.1f}' for w in walls['base'])}) | "
               f"{new:.2f} ({', '.join(f'{w:.1f}' for w in walls['new'])}) | {new / base:.2f} | "
               f"{acc['base']:.4f} | {acc['new']:.4f} |")  # fmt: skip
-    print(f"# load average {os.getloadavg()[0]:.1f} at the end")
+    print(f"# load average {os.getloadavg()[0]:.1f} at the end; commit {head()}")
 
 
 if __name__ == "__main__":
