@@ -1,0 +1,202 @@
+"""The CNN targets of the speed issue, in one command for a GPU machine: FedEM's local work per
+round on the full FedEM CNN (conv 32/64, 2048 hidden units) over all 70,000 Fashion-MNIST
+images split over 100 clients with M = 3, against the floor of one model trained on the same
+images with the same batch size; float32, TF32 and bf16; peak memory; and, with
+``--max-peers``, the most peers one device holds.
+
+    python benchmarks/bench_cnn.py [--device cuda] [--rounds 3] [--modes float32,tf32,bf16]
+        [--max-peers 3200] [--json runs/bench_cnn.json]
+    # a smoke test on a CPU (narrow model, 5% of the images, 10 clients):
+    python benchmarks/bench_cnn.py --device cpu --fraction 0.05 --peers 10 \
+        --channels 8,16 --hidden 64
+
+``local s`` is the median over ``--rounds`` of ``Trainer.local_work`` (E-step, one epoch of
+momentum SGD on every peer and component, what is sent), after one warm-up round, the device
+synchronised around each; evaluation and mixing are not in it. The floor is a plain PyTorch
+loop: one model of the same architecture, SGD with the config's momentum and weight decay, one
+epoch over every client's training images (the images and labels resident on the device,
+batches drawn by a permutation on the device): the fewest kernels an epoch of those images can
+take at that batch size. FedEM trains M = 3 models per client, so it does three times the
+floor's work: the issue's target is 2x the float32 floor (0.45 s on an H100, where the floor
+measured 0.22 s). Peak memory: ``torch.cuda.max_memory_allocated`` on a GPU, the process's peak
+resident memory on a CPU. Needs the Fashion-MNIST files (docs/data.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from gossip_pfl.config import load_config
+from gossip_pfl.models import build_model
+from gossip_pfl.train import Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "configs" / "fashion_mnist" / "fedem.yaml"
+#: mode -> (runtime.precision, runtime.tf32)
+MODES = {"float32": ("float32", False), "tf32": ("float32", True), "bf16": ("bf16", False)}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**30
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+
+
+def overrides(args, peers: int, mode: str) -> list[str]:
+    precision, tf32 = MODES[mode]
+    return [
+        f"runtime.device={args.device}",
+        f"runtime.precision={precision}",
+        f"runtime.tf32={str(tf32).lower()}",
+        "runtime.deterministic=false",  # cuDNN picks its fastest kernels, as a user's run may
+        f"data.n_clients={peers}",
+        f"data.fraction={args.fraction}",
+        f"model.channels=[{args.channels}]",
+        f"model.hidden={args.hidden}",
+        "out=runs/bench_cnn",
+    ]
+
+
+def fedem_round(args, peers: int, mode: str) -> tuple[dict, Trainer]:
+    """Median seconds of FedEM's local work per round and the peak memory."""
+    cfg = load_config(CONFIG, overrides(args, peers, mode))
+    trainer = Trainer(cfg, log=lambda *a: None)
+    device = trainer.device
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    trainer.local_work(0)  # warm-up: plans, caches, cuDNN's choices
+    times = []
+    for t in range(1, args.rounds + 1):
+        sync(device)
+        t0 = time.perf_counter()
+        trainer.local_work(t)
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    samples = int(trainer.train.mask.sum())
+    row = {"peers": peers, "mode": mode, "local_s": statistics.median(times),
+           "peak_gb": peak_gb(device), "train_samples": samples}  # fmt: skip
+    return row, trainer
+
+
+def floor_epoch(args, trainer: Trainer, mode: str) -> float:
+    """Median seconds of one epoch of one model over the same images (see the docstring)."""
+    cfg, device = trainer.cfg, trainer.device
+    split = trainer.train
+    keep = split.mask.reshape(-1).bool()
+    x = split.x.flatten(0, 1)[keep].contiguous()
+    y = split.y.flatten(0, 1)[keep].contiguous()
+    ds = trainer.dataset
+    model = build_model(cfg.model.name, tuple(ds.input_shape), ds.num_classes,
+                        **cfg.model.options).to(device)  # fmt: skip
+    a = cfg.algorithm
+    opt = torch.optim.SGD(model.parameters(), lr=a.lr, momentum=a.momentum,
+                          weight_decay=a.weight_decay)  # fmt: skip
+    bf16 = MODES[mode][0] == "bf16"
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def epoch() -> None:
+        order = torch.randperm(len(y), device=device, generator=gen)
+        for idx in order.split(a.batch_size):
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logits = model(x[idx])
+            loss = F.cross_entropy(logits.float(), y[idx])
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+
+    epoch()  # warm-up
+    times = []
+    for _ in range(args.rounds):
+        sync(device)
+        t0 = time.perf_counter()
+        epoch()
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def most_peers(args, mode: str) -> list[dict]:
+    """FedEM rounds for twice as many peers each time, up to ``--max-peers`` or the first that
+    does not fit the device's memory."""
+    rows, peers = [], args.peers * 2
+    while peers <= args.max_peers:
+        try:
+            row = fedem_round(args, peers, mode)[0]  # the trainer is freed here
+        except torch.cuda.OutOfMemoryError:
+            rows.append({"peers": peers, "mode": mode, "local_s": None, "peak_gb": None})
+            break
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+        rows.append(row)
+        peers *= 2
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--rounds", type=int, default=3, help="timed rounds and floor epochs")
+    ap.add_argument("--modes", default="float32,tf32,bf16", help=f"of {', '.join(MODES)}")
+    ap.add_argument("--peers", type=int, default=100)
+    ap.add_argument("--fraction", type=float, default=1.0, help="of the 70,000 images")
+    ap.add_argument("--channels", default="32,64", help="the CNN's two conv widths")
+    ap.add_argument("--hidden", type=int, default=2048, help="the CNN's dense width")
+    ap.add_argument("--max-peers", type=int, default=0,
+                    help="double the peers up to this many (first mode only); 0: skip")  # fmt: skip
+    ap.add_argument("--json", type=Path, default=ROOT / "runs" / "bench_cnn.json")
+    args = ap.parse_args()
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        ap.error(f"--modes: unknown {', '.join(unknown)}; known: {', '.join(MODES)}")
+    if args.device == "cpu":
+        modes = [m for m in modes if m != "tf32"]  # TF32 is a CUDA setting
+
+    rows = []
+    for mode in modes:
+        row, trainer = fedem_round(args, args.peers, mode)
+        row["floor_s"] = floor_epoch(args, trainer, mode)
+        rows.append(row)
+        del trainer
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    scale = most_peers(args, modes[0]) if args.max_peers else []
+    from bench_ops import commit, machine
+
+    record = {"commit": commit(), "machine": machine(), "device": args.device,
+              "args": {k: str(v) for k, v in vars(args).items()},
+              "rows": rows, "scale": scale}  # fmt: skip
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"# commit {record['commit']}, {record['machine']}, device {args.device}; "
+          f"written to {args.json}")  # fmt: skip
+    f32 = next((r["floor_s"] for r in rows if r["mode"] == "float32"), None)
+    print("| mode | peers x M | train samples | FedEM local s/round | one-model floor s/epoch "
+          "| local / float32 floor | peak GB |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['local_s'] / f32:.2f}" if f32 else "-"
+        print(f"| {r['mode']} | {r['peers']} x 3 | {r['train_samples']} | {r['local_s']:.3f} | "
+              f"{r['floor_s']:.3f} | {ratio} | {r['peak_gb']:.2f} |")  # fmt: skip
+    for r in scale:
+        fits = "out of memory" if r["local_s"] is None else (
+            f"{r['local_s']:.3f} s/round, {r['peak_gb']:.2f} GB")  # fmt: skip
+        print(f"# {r['peers']} peers ({r['mode']}): {fits}")
+
+
+if __name__ == "__main__":
+    main()
