@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
-from gossip_pfl.errors import GossipError
-from topologies import TopologyError
+# Before torch (and so OpenMP) loads: idle OpenMP threads sleep instead of spinning. Two runs
+# side by side, each with a thread per core, were 2x to 10x slower than alone with spinning
+# threads, 1.4x to 1.6x with sleeping ones; a run alone is as fast (docs/benchmarks.md).
+# A variable already set wins (OMP_WAIT_POLICY=ACTIVE spins).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+from gossip_pfl.errors import GossipError  # noqa: E402
+from topologies import TopologyError  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,13 +4,22 @@ model's batched layers and the solver's generic step; and the torch thread defau
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
 from _helpers import toy_dataset
 
 from gossip_pfl.config import load_config
-from gossip_pfl.runtime.threads import default_threads, keep_freed_memory, set_threads
+from gossip_pfl.runtime.threads import (
+    configure_host,
+    default_threads,
+    keep_freed_memory,
+    set_threads,
+)
 from gossip_pfl.train import Trainer
 
 CASES = {
@@ -111,6 +120,34 @@ def test_thread_default_follows_affinity_ranks_and_env(monkeypatch):
     try:
         assert set_threads(1).startswith("1 thread(s) (runtime.threads)")
         assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_the_command_makes_idle_openmp_threads_sleep_before_torch_loads():
+    """OpenMP reads OMP_WAIT_POLICY once, when torch loads it: gossip-pfl's entry module sets
+    PASSIVE (unless the variable is set) and imports no torch itself, so the setting holds."""
+    code = (
+        "import os, sys, gossip_pfl.cli\n"
+        "print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    for given, seen in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+        if given:
+            env["OMP_WAIT_POLICY"] = given
+        done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                              text=True, check=True)  # fmt: skip
+        assert done.stdout.split() == [seen, "False"]
+
+
+def test_first_log_line_states_how_idle_threads_wait(monkeypatch):
+    before = torch.get_num_threads()
+    try:
+        for policy, said in (("PASSIVE", "idle threads sleep"), ("active", "idle threads spin")):
+            monkeypatch.setenv("OMP_WAIT_POLICY", policy)
+            assert said in configure_host(1)
+        monkeypatch.delenv("OMP_WAIT_POLICY")
+        assert "idle threads" not in configure_host(1)
     finally:
         torch.set_num_threads(before)
 

@@ -75,4 +75,7 @@ def configure_host(threads: int = 0) -> str:
     """The process's torch threads (:func:`set_threads`) and malloc (:func:`keep_freed_memory`),
     before any torch work; returns what was set, for the run's first log line."""
     kept = keep_freed_memory()
-    return set_threads(threads) + (", freed memory kept" if kept else "")
+    # the gossip-pfl command sets it before torch loads; OpenMP reads it only then
+    policy = os.environ.get("OMP_WAIT_POLICY", "").strip().upper()
+    waits = f", idle threads {'sleep' if policy == 'PASSIVE' else 'spin'}" if policy else ""
+    return set_threads(threads) + waits + (", freed memory kept" if kept else "")
