@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import time
@@ -28,6 +27,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from gossip_pfl.config import load_config
+from gossip_pfl.runtime.threads import available_cores
 from gossip_pfl.train import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -116,8 +116,7 @@ def machine() -> str:
 
     simd = torch.backends.cpu.get_cpu_capability()
     gpu = f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return f"{cpu_model()} ({simd}, {cores} cores{gpu})"
+    return f"{cpu_model()} ({simd}, {available_cores()} cores{gpu})"
 
 
 def commit() -> str:

@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench_ops import commit
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -46,15 +48,6 @@ def one_run(tree: Path, config: str, threads: int, sets: list[str], out: Path) -
     if done.returncode:
         sys.exit(f"{' '.join(cmd + args)} failed: {done.stderr.strip()[-500:]}")
     return json.loads((out / "summary.json").read_text())
-
-
-def head() -> str:
-    """This tree's commit (+dirty when it has uncommitted changes)."""
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                         capture_output=True, text=True).stdout.strip()  # fmt: skip
-    dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=ROOT,
-                           capture_output=True, text=True).stdout.strip()  # fmt: skip
-    return rev + ("+dirty" if dirty else "")
 
 
 def main() -> None:
@@ -83,7 +76,7 @@ def main() -> None:
         print(f"| {threads} | {base:.2f} ({', '.join(f'{w:.1f}' for w in walls['base'])}) | "
               f"{new:.2f} ({', '.join(f'{w:.1f}' for w in walls['new'])}) | {new / base:.2f} | "
               f"{acc['base']:.4f} | {acc['new']:.4f} |")  # fmt: skip
-    print(f"# load average {os.getloadavg()[0]:.1f} at the end; commit {head()}")
+    print(f"# load average {os.getloadavg()[0]:.1f} at the end; commit {commit()}")
 
 
 if __name__ == "__main__":

@@ -205,11 +205,13 @@ def fmmc(
     n, u, v, deg = _undirected_edges(graph, "fmmc")
     if n == 1 or len(u) == 0:
         return _symmetric(n, u, v, np.zeros(len(u)), sparse)
-    w = _cached_fmmc(n, u, v, solver, solver_options) if cache else None
+    chosen, options = _fmmc_solver(n, solver, solver_options)
+    path = _fmmc_path(n, u, v, chosen, options) if cache else None
+    w = _cached_fmmc(path, len(u)) if path else None
     if w is None:
-        w = _solve_fmmc(n, u, v, *_fmmc_solver(n, solver, solver_options))
-        if cache:
-            _store_fmmc(n, u, v, solver, solver_options, w)
+        w = _solve_fmmc(n, u, v, chosen, options)
+        if path:
+            _store_fmmc(path, w)
     # Solver noise: clip tiny negatives and, if a node's weights sum past 1, shrink all weights
     # uniformly so that every self weight stays >= 0 (keeps W symmetric and stochastic).
     w = np.clip(w, 0.0, None)
@@ -241,12 +243,11 @@ def fmmc_cache_dir() -> Path:
     return (Path(root) if root else Path.home() / ".cache" / "gossip-pfl") / "fmmc"
 
 
-def _fmmc_key(n: int, u: np.ndarray, v: np.ndarray, solver, solver_options) -> Path:
+def _fmmc_path(n: int, u: np.ndarray, v: np.ndarray, chosen: str, options: dict) -> Path:
     """The cache file of this problem: a hash of the edges, the solver, its options and the
     versions that could change its answer."""
     from importlib import metadata
 
-    chosen, options = _fmmc_solver(n, solver, solver_options)
     versions = []
     for package in ("cvxpy", chosen.lower()):
         try:
@@ -259,19 +260,18 @@ def _fmmc_key(n: int, u: np.ndarray, v: np.ndarray, solver, solver_options) -> P
     return fmmc_cache_dir() / f"n{n}-{h.hexdigest()[:24]}.npy"
 
 
-def _cached_fmmc(n: int, u, v, solver, solver_options) -> np.ndarray | None:
+def _cached_fmmc(path: Path, edges: int) -> np.ndarray | None:
     """The cached edge weights, or None (not there, unreadable or not this graph's shape: it
     is only a cache, so the problem is solved again)."""
     try:
-        w = np.load(_fmmc_key(n, u, v, solver, solver_options), allow_pickle=False)
+        w = np.load(path, allow_pickle=False)
     except (OSError, ValueError):
         return None
-    return w if w.shape == u.shape and w.dtype == np.float64 else None
+    return w if w.shape == (edges,) and w.dtype == np.float64 else None
 
 
-def _store_fmmc(n: int, u, v, solver, solver_options, w: np.ndarray) -> None:
+def _store_fmmc(path: Path, w: np.ndarray) -> None:
     """Write atomically (temp file + rename); a cache that cannot be written is skipped."""
-    path = _fmmc_key(n, u, v, solver, solver_options)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
