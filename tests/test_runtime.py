@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -477,6 +478,58 @@ def test_evaluation_chunks_cover_each_real_sample_once(budget):
             seen[r, sl][m.cpu().numpy() > 0] += 1
     expected = (np.arange(max(sizes))[None, :] < np.array(sizes)[:, None]).astype(int)
     np.testing.assert_array_equal(seen, expected)
+
+
+def test_padded_split_views_back_to_back_inputs_and_pads_the_rest():
+    """Clients cut in order from one array, with one count, are a view of it (no copy);
+    any other inputs are copied into zero padding; the augmented samples are the real ones
+    with a ones column, in peer order."""
+    from gossip_pfl.runtime.data import PaddedSplit
+
+    cpu = torch.device("cpu")
+    base = np.random.default_rng(0).standard_normal((12, 5)).astype(np.float32)
+    xs = [base[3 * i : 3 * i + 3] for i in range(4)]
+    ys = [np.arange(3) for _ in xs]
+    split = PaddedSplit.build(xs, ys, cpu)
+    assert np.shares_memory(split.x.numpy(), base)
+    np.testing.assert_array_equal(split.x.numpy(), np.stack(xs))
+    for order in (xs[::-1], [xs[0], xs[2]], [x.astype(np.float64) for x in xs]):
+        other = PaddedSplit.build(order, ys[: len(order)], cpu)
+        assert not np.shares_memory(other.x.numpy(), base)
+        np.testing.assert_array_equal(other.x.numpy(), np.stack(order).astype(np.float32))
+
+    sizes = [2, 0, 5, 1]
+    xs = [base[:n] + i for i, n in enumerate(sizes)]
+    split = PaddedSplit.build(xs, [np.ones(n, dtype=np.int64) for n in sizes], cpu)
+    want = np.zeros((4, 5, 5), dtype=np.float32)
+    for i, x in enumerate(xs):
+        want[i, : len(x)] = x
+    np.testing.assert_array_equal(split.x.numpy(), want)
+    np.testing.assert_array_equal(split.y.numpy(), split.mask.numpy())
+    real = np.concatenate(xs)
+    np.testing.assert_array_equal(
+        split.augmented.numpy(), np.concatenate([real, np.ones((len(real), 1))], 1)
+    )
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads Linux /proc")
+def test_padding_that_is_never_written_costs_no_memory():
+    """31 peers of 8 samples padded to 2,048 (124 MiB of padding): the resident memory
+    grows by about the samples, not the padding (large np.zeros arrays took huge pages, and
+    writing a peer's samples made its whole padded row resident)."""
+    from gossip_pfl.runtime.data import PaddedSplit
+
+    def resident() -> int:
+        return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    sizes = [8] * 31 + [2048]
+    xs = [np.ones((n, 512), dtype=np.float32) for n in sizes]
+    ys = [np.zeros(n, dtype=np.int64) for n in sizes]
+    before = resident()
+    split = PaddedSplit.build(xs, ys, torch.device("cpu"))
+    grew = resident() - before
+    assert split.x.shape == (32, 2048, 512) and float(split.x.sum()) == 512 * sum(sizes)
+    assert grew < 16 << 20, f"{grew / 2**20:.0f} MiB resident for 4.5 MiB of samples"
 
 
 def _reference_plan(counts, peers, seed, round_, batch_size, epochs, steps, stream):

@@ -8,6 +8,7 @@ so one batched step trains every peer on its own minibatch. Minibatch order depe
 
 from __future__ import annotations
 
+import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -27,15 +28,21 @@ class PaddedSplit:
 
     @staticmethod
     def build(xs: list[np.ndarray], ys: list[np.ndarray], device: torch.device) -> PaddedSplit:
+        """Pad and stack the peers' arrays. Inputs that already lie back to back in one
+        array, with one count for all (the synthetic test split: 900 MB), are a view of it,
+        not a copy; the data is read only."""
         counts = np.array([len(y) for y in ys], dtype=np.int64)
         n_max = max(1, int(counts.max(initial=0)))
         shape = xs[0].shape[1:]
         # float32 inputs, or int64 token ids (text) kept as integers for an embedding
         dtype = np.int64 if np.issubdtype(xs[0].dtype, np.integer) else np.float32
-        x = np.zeros((len(xs), n_max, *shape), dtype=dtype)
+        x = _stacked(xs, dtype) if counts.min() == n_max else None
+        if x is None:
+            x = _lazy_zeros((len(xs), n_max, *shape), dtype)
+            for i, xi in enumerate(xs):
+                x[i, : len(xi)] = xi
         y = np.zeros((len(ys), n_max), dtype=np.int64)
-        for i, (xi, yi) in enumerate(zip(xs, ys)):
-            x[i, : len(yi)] = xi
+        for i, yi in enumerate(ys):
             y[i, : len(yi)] = yi
         return PaddedSplit(
             torch.from_numpy(x).to(device),
@@ -123,10 +130,15 @@ class PaddedSplit:
         """(real samples, features + 1): the real samples only (no padding), flattened, with a
         column of ones appended, peer-major (see :attr:`offsets`). A linear model's [W, b]
         row times it is the logit, and the gradient's outer product gives dW and db in one
-        batched product. Built once (about the size of the real training inputs)."""
-        keep = self.mask.flatten().bool()
-        x = self.x.flatten(0, 1)[keep].flatten(1)
-        return torch.cat([x, torch.ones(len(x), 1, dtype=x.dtype, device=x.device)], 1)
+        batched product. Built once (about the size of the real training inputs), through
+        a bounded temporary."""
+        flat = self.x.flatten(0, 1).flatten(1)
+        rows = self.mask.flatten().nonzero().squeeze(1)
+        out = flat.new_empty(len(rows), flat.shape[1] + 1)
+        out[:, -1] = 1
+        for part, at in zip(out.split(1 << 16), rows.split(1 << 16)):
+            part[:, :-1] = flat.index_select(0, at)
+        return out
 
     def linear_pieces(self, budget: int, components: int) -> list[tuple]:
         """:meth:`chunk_plan`'s pieces for the closed-form linear model, cached: (rows or None
@@ -153,6 +165,36 @@ class PaddedSplit:
         mask = self.mask
         for rows, at, sl in self.chunk_plan(budget):
             yield rows, sl, self.x[at, sl], self.y[at, sl], mask[at, sl]
+
+
+def _lazy_zeros(shape: tuple, dtype) -> np.ndarray:
+    """Zeros in fresh private pages the kernel maps only when written: padding that is
+    never written costs no memory. (np.zeros asks for 2 MiB huge pages on large arrays, so
+    writing each peer's samples mapped its whole padded row: at 10,000 synthetic peers
+    5.6 GB resident for 1.3 GB of samples, and 9 s to build instead of 1.3 s.)"""
+    count = int(np.prod(shape))
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    if not flags:  # no anonymous private mappings here (Windows)
+        return np.zeros(shape, dtype=dtype)
+    buf = mmap.mmap(-1, max(1, count * np.dtype(dtype).itemsize), flags=flags)
+    return np.frombuffer(buf, dtype=dtype, count=count).reshape(shape)
+
+
+def _stacked(xs: list[np.ndarray], dtype) -> np.ndarray | None:
+    """``np.stack(xs)`` as a view when the arrays are equal-shaped, C-contiguous slices of
+    one writable array laid back to back in order (clients cut from one flat array); None
+    otherwise."""
+    base, first = xs[0].base, xs[0]
+    if not isinstance(base, np.ndarray) or not base.flags.c_contiguous or not base.flags.writeable:
+        return None
+    start = first.__array_interface__["data"][0]
+    for i, xi in enumerate(xs):
+        if (xi.base is not base or xi.dtype != dtype or xi.shape != first.shape
+                or not xi.flags.c_contiguous
+                or xi.__array_interface__["data"][0] != start + i * first.nbytes):  # fmt: skip
+            return None
+    offset = start - base.__array_interface__["data"][0]
+    return np.ndarray((len(xs), *first.shape), dtype, buffer=base, offset=offset)
 
 
 def client_ids(dataset) -> tuple[np.ndarray, np.ndarray]:
