@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import numpy as np
 import pytest
 
@@ -10,6 +12,12 @@ from gossip_pfl.data.synthetic import bayes_probability, make_synthetic
 from gossip_pfl.errors import GossipError
 
 SMALL = {"n_clients": 12, "dim": 10, "n_test": 40, "seed": 7}
+#: make_synthetic's defaults, as its cache key holds them
+_ARGS = {
+    k: p.default
+    for k, p in inspect.signature(make_synthetic).parameters.items()
+    if k not in ("cache_dir", "cache")
+}
 
 
 def _arrays(ds):
@@ -37,23 +45,35 @@ def test_other_seed_differs():
 
 
 def test_cache_round_trip(tmp_path):
-    a = make_synthetic(**SMALL, unseen_fraction=0.25, cache_dir=tmp_path)
-    files = list(tmp_path.glob("synthetic-*.npz"))
-    assert len(files) == 1
-    b = make_synthetic(**SMALL, unseen_fraction=0.25, cache_dir=tmp_path)
-    for u, v in zip(_arrays(a), _arrays(b)):
+    """The cache is one folder per argument set; a load maps its files copy-on-write and
+    gives the generated arrays; writing into them leaves the files as they were."""
+    from gossip_pfl.data.synthetic import _cache_path
+
+    args = {**SMALL, "unseen_fraction": 0.25}
+    stale = _cache_path({**_ARGS, **args}, tmp_path, version=1)  # the previous format's file
+    stale.write_bytes(b"old")
+    fresh = make_synthetic(**args, cache=False)
+    a = make_synthetic(**args, cache_dir=tmp_path)
+    assert [p.name for p in tmp_path.iterdir()] == [_cache_path({**_ARGS, **args}, tmp_path).name]
+    b = make_synthetic(**args, cache_dir=tmp_path)
+    assert isinstance(b.clients[0].x_test.base, np.memmap)
+    for u, v, w in zip(_arrays(fresh), _arrays(a), _arrays(b)):
         np.testing.assert_array_equal(u, v)
+        np.testing.assert_array_equal(u, w)
     np.testing.assert_array_equal(a.meta["pi"], b.meta["pi"])
     assert a.unseen == b.unseen and len(a.unseen) == 3
-    # Other arguments, other file.
+    b.clients[0].x_train[:] = 7.0  # private pages: the file keeps the data
+    c = make_synthetic(**args, cache_dir=tmp_path)
+    np.testing.assert_array_equal(c.clients[0].x_train, fresh.clients[0].x_train)
+    # Other arguments, other folder.
     make_synthetic(**{**SMALL, "n_test": 41}, cache_dir=tmp_path)
-    assert len(list(tmp_path.glob("synthetic-*.npz"))) == 2
+    assert len(list(tmp_path.glob("synthetic-*"))) == 2
 
 
 def test_env_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("GOSSIP_PFL_CACHE", str(tmp_path))
     make_synthetic(**SMALL)
-    assert len(list(tmp_path.glob("synthetic-*.npz"))) == 1
+    assert len(list(tmp_path.glob("synthetic-*/x_test.npy"))) == 1
 
 
 def test_n_test_does_not_move_training_data():

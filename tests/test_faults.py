@@ -205,13 +205,18 @@ def test_truncated_data_cache_is_regenerated(tmp_path):
     from gossip_pfl.data.synthetic import make_synthetic
 
     first = make_synthetic(n_clients=4, dim=5, n_test=10, seed=0, cache_dir=tmp_path)
-    (cached,) = tmp_path.glob("*.npz")
+    (cached,) = tmp_path.glob("*/x_fit.npy")
     size = cached.stat().st_size
     cached.write_bytes(cached.read_bytes()[:500])
     with pytest.warns(UserWarning, match="damaged"):
         again = make_synthetic(n_clients=4, dim=5, n_test=10, seed=0, cache_dir=tmp_path)
     np.testing.assert_array_equal(again.clients[3].x_train, first.clients[3].x_train)
     assert cached.stat().st_size == size
+    (cached.parent / "y_test.npy").unlink()  # a file gone: the same
+    with pytest.warns(UserWarning, match="damaged"):
+        again = make_synthetic(n_clients=4, dim=5, n_test=10, seed=0, cache_dir=tmp_path)
+    np.testing.assert_array_equal(again.clients[3].y_test, first.clients[3].y_test)
+    assert (cached.parent / "y_test.npy").exists() and len(list(tmp_path.iterdir())) == 1
 
 
 def test_graph_file_named_inline_is_read_from_the_configs_folder(tmp_path, monkeypatch):

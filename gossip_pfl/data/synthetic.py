@@ -18,7 +18,8 @@ changing ``n_test`` or ``clustered`` leaves the training samples and ``theta`` u
 
 Memory: the test inputs are ``n_clients * n_test * dim * 4`` bytes, 900 MB for the defaults
 (300 x 5000 x 150); they are generated in float32 into one preallocated array, and the cache
-file has the same size.
+has the same size. A cached dataset is mapped from its files (copy-on-write), not read: it
+loads at once, and runs side by side share the pages.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import warnings
-import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +41,12 @@ from gossip_pfl.data.base import (
 )
 from gossip_pfl.errors import GossipError
 
-# Bump when the generator's output for given arguments changes, so old cache files are ignored.
-FORMAT_VERSION = 1
+# Bump when the generator's output for given arguments or the cache's layout changes, so old
+# caches are ignored. 2: a folder of .npy files, mapped (1: one .npz, read and CRC-checked).
+FORMAT_VERSION = 2
+#: the arrays of a cached dataset, one .npy file each
+ARRAYS = ("theta", "pi", "n_total", "n_val", "x_fit", "y_fit", "z_fit", "x_test", "y_test",
+          "z_test", "unseen")  # fmt: skip
 MIN_SIZE, MAX_SIZE = 50, 1000
 LOGNORMAL_MEAN, LOGNORMAL_SIGMA = 4.0, 2.0
 
@@ -74,8 +79,9 @@ def make_synthetic(
 
     ``meta`` holds the truth: ``pi`` (T, M), ``theta`` (M, d), ``cluster`` (argmax of pi),
     ``z_train`` / ``z_val`` / ``z_test`` (the component of every sample, one array per client)
-    and ``n_total`` (the drawn ``n_t``). With ``cache`` the arrays are stored as one ``.npz``
-    under ``cache_dir`` (default: :func:`default_cache_dir`) keyed by a hash of the arguments.
+    and ``n_total`` (the drawn ``n_t``). With ``cache`` the arrays are stored as ``.npy``
+    files in a folder under ``cache_dir`` (default: :func:`default_cache_dir`) keyed by a
+    hash of the arguments, and mapped copy-on-write when loaded.
 
     >>> ds = make_synthetic(n_clients=4, dim=5, n_test=10, seed=0, cache=False)
     >>> ds.n_clients, ds.input_shape, ds.task, ds.meta["pi"].shape
@@ -99,7 +105,7 @@ def make_synthetic(
     if arrays is None:
         arrays = _generate(**args)
         if path is not None:
-            _save(path, arrays)
+            _save(path, arrays, old=_cache_path(args, cache_dir, version=1))
     return _assemble(args, arrays)
 
 
@@ -250,31 +256,42 @@ def _assemble(args: dict, a: dict[str, np.ndarray]) -> FederatedDataset:
     )
 
 
-def _cache_path(args: dict, cache_dir: str | os.PathLike | None) -> Path:
-    keyed = json.dumps({"format": FORMAT_VERSION, **args}, sort_keys=True)
+def _cache_path(
+    args: dict, cache_dir: str | os.PathLike | None, version: int = FORMAT_VERSION
+) -> Path:
+    keyed = json.dumps({"format": version, **args}, sort_keys=True)
     digest = hashlib.sha256(keyed.encode()).hexdigest()[:16]
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    return root / f"synthetic-{digest}.npz"
+    return root / (f"synthetic-{digest}" + (".npz" if version == 1 else ""))
 
 
-def _save(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Write atomically (temp file + rename) so an interrupted run leaves no torn cache."""
+def _save(path: Path, arrays: dict[str, np.ndarray], old: Path | None = None) -> None:
+    """Write a folder of .npy files atomically (a temp folder, then a rename) so an
+    interrupted run leaves no torn cache; then remove ``old`` (the same data in the previous
+    format, which would only take disk space)."""
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
+        tmp.mkdir(parents=True, exist_ok=True)
+        for name in ARRAYS:
+            np.save(tmp / f"{name}.npy", arrays[name])
+        if path.exists():  # damaged: replaced (a run that mapped its files keeps them)
+            shutil.rmtree(path)
         os.replace(tmp, path)
     except OSError as e:
-        raise GossipError(f"synthetic: cannot write cache file {path}: {e.strerror}") from e
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not path.is_dir():  # else another run stored the same data first
+            raise GossipError(f"synthetic: cannot write cache {path}: {e.strerror}") from e
+    if old is not None:
+        old.unlink(missing_ok=True)
 
 
 def _load(path: Path) -> dict[str, np.ndarray] | None:
-    """The cached arrays; None when the file is damaged (truncated by a full disk or a killed
-    copy): it is only a cache, so the data is generated again and the file rewritten."""
+    """The cached arrays, mapped copy-on-write (pages are read when first used, shared with
+    other runs and never written back); None when the cache is damaged (a file cut short by
+    a full disk or a killed copy, or missing): it is only a cache, so the data is generated
+    again and the cache rewritten."""
     try:
-        with np.load(path) as f:
-            return {k: f[k] for k in f.files}
-    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
-        warnings.warn(f"synthetic: cache file {path} is damaged ({e}); regenerating", stacklevel=3)
+        return {k: np.load(path / f"{k}.npy", mmap_mode="c") for k in ARRAYS}
+    except (OSError, ValueError, EOFError) as e:
+        warnings.warn(f"synthetic: cache {path} is damaged ({e}); regenerating", stacklevel=3)
         return None
