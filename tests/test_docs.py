@@ -266,6 +266,7 @@ PARSE_ONLY = {
     "python benchmarks/": "benchmarks take minutes (one study 22): script, options checked",
     "OMP_NUM_THREADS=1 python benchmarks/": "benchmarks take minutes: script, options checked",
     "launch/": "launch scripts start torchrun with their own ranks: bash -n, config checked",
+    "benchmarks/gpu_kit.sh": "for a lent GPU machine (prepare downloads wheels): bash -n",
     "NNODES=": "needs several nodes: bash -n, config checked",
     "sbatch ": "needs SLURM: bash -n, config checked",
     "gossip-pfl plot runs/fashion_mnist/": "plots the 22-minute study's runs: arguments parsed",

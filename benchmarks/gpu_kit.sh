@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# The GPU checks of docs/benchmarks.md ("Left for a GPU machine") in two commands, for a
+# session that is lent a GPU machine. That machine has PyTorch with CUDA, numpy, scipy,
+# matplotlib, networkx, pytest and pytest-xdist, but reaches no package registry and has no
+# Fashion-MNIST files; `prepare` gathers what it lacks into .gpu_kit/ (ignored by git, about
+# 45 MB: the device tool carries at most 64 MiB with the tree).
+#
+#   benchmarks/gpu_kit.sh prepare   # here, with PyPI: wheels + Fashion-MNIST
+#   benchmarks/gpu_kit.sh test      # there (carry .gpu_kit): install, the test suite
+#   benchmarks/gpu_kit.sh bench     # there: synthetic 200 rounds, operations, the CNN
+#
+# `test` and `bench` each fit one 10-minute call and write their logs to $OUT (at most 8
+# files come back). Each installs first, so either may run on a fresh machine.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+KIT=.gpu_kit
+PY=${PYTHON:-python3}
+OUT=${OUT:-runs/gpu_kit}
+
+# cvxpy 1.6 (not 1.9: its extra solvers would not fit the carry) with SCS and Clarabel for
+# the FMMC weights, pyzmq for the peer-to-peer transport
+WHEELS=("cvxpy==1.6.*" "scs<3.3" clarabel osqp pyzmq cffi pycparser)
+
+prepare() {
+    rm -rf "$KIT" && mkdir -p "$KIT/wheels" "$KIT/fashion-mnist" || exit 2
+    # the machine's Python is 3.12 on x86_64 (docs of the device tool, KINDS.md)
+    pip download --no-deps --only-binary=:all: --python-version 3.12 \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+        --platform manylinux2014_x86_64 -d "$KIT/wheels" "${WHEELS[@]}" || exit 2
+    cp /usr/share/datasets/fashion-mnist/*-ubyte.gz "$KIT/fashion-mnist/" || {
+        echo "gpu_kit: no Fashion-MNIST here: apt-get install -y dataset-fashion-mnist" >&2
+        exit 2
+    }
+    du -sh "$KIT"
+}
+
+install() {
+    [ -d "$KIT/wheels" ] || { echo "gpu_kit: no $KIT: run 'prepare' here and carry it" >&2; exit 2; }
+    mkdir -p "$OUT"
+    $PY -m pip install -q --no-index --no-deps "$KIT"/wheels/*.whl
+    $PY -m pip install -q --no-deps --no-build-isolation -e .
+    mkdir -p /usr/share/datasets/fashion-mnist
+    cp -n "$KIT"/fashion-mnist/* /usr/share/datasets/fashion-mnist/
+    {
+        nvidia-smi
+        $PY -c "import torch, cvxpy, zmq; print('torch', torch.__version__, torch.cuda.get_device_name(), 'cvxpy', cvxpy.__version__, 'pyzmq', zmq.__version__)"
+        git rev-parse --short HEAD 2>/dev/null || echo "commit: not a git checkout"
+    } > "$OUT/machine.txt" 2>&1
+    tail -2 "$OUT/machine.txt"
+}
+
+# stage NAME SECONDS COMMAND...: COMMAND's output and exit status into $OUT/NAME.txt
+stage() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name: $*"
+    local t0=$SECONDS
+    timeout "$limit" "$@" > "$OUT/$name.txt" 2>&1
+    echo "exit $? after $((SECONDS - t0)) s" >> "$OUT/$name.txt"
+    tail -4 "$OUT/$name.txt"
+}
+
+case "${1:-}" in
+    prepare) prepare ;;
+    test)
+        install
+        # the whole suite, with the GPU visible (CPU tests pin the CPU; `cuda` tests run)
+        stage tests 500 $PY -m pytest -n 8 -rs
+        ;;
+    bench)
+        install
+        export OMP_NUM_THREADS=1 PY
+        # three 200-round runs on the GPU (the issue's anchor: 15.5 s on an H100)
+        stage synthetic 150 bash -c 'for i in 1 2 3; do
+            $PY -m gossip_pfl run configs/synthetic/dfedem.yaml --no-plots --overwrite \
+                --set runtime.device=cuda --out runs/gpu_kit/synthetic$i | grep -E "wall_s|test_acc"
+        done'
+        stage ops 120 $PY benchmarks/bench_ops.py --rounds 5 --set runtime.device=cuda \
+            --json "$OUT/bench_ops.json"
+        stage cnn 280 $PY benchmarks/bench_cnn.py --device cuda --rounds 3 --max-peers 3200 \
+            --json "$OUT/bench_cnn.json"
+        ;;
+    *)
+        echo "usage: benchmarks/gpu_kit.sh prepare|test|bench" >&2
+        exit 2
+        ;;
+esac
