@@ -70,6 +70,19 @@ def test_cache_round_trip(tmp_path):
     assert len(list(tmp_path.glob("synthetic-*"))) == 2
 
 
+def test_cache_written_by_another_run_meanwhile_is_kept(tmp_path):
+    """Two runs that generate the same data at once: the second to store it keeps the
+    first's folder and raises nothing."""
+    from gossip_pfl.data.synthetic import ARRAYS, _load, _save
+
+    path = tmp_path / "synthetic-x"
+    first = {k: np.full(3, 1.0) for k in ARRAYS}
+    _save(path, first)
+    _save(path, {k: v * 2 for k, v in first.items()})
+    np.testing.assert_array_equal(_load(path)["x_test"], first["x_test"])
+    assert [p.name for p in tmp_path.iterdir()] == ["synthetic-x"]
+
+
 def test_env_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("GOSSIP_PFL_CACHE", str(tmp_path))
     make_synthetic(**SMALL)

@@ -24,6 +24,7 @@ loads at once, and runs side by side share the pages.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -101,11 +102,12 @@ def make_synthetic(
     }
     _validate(args)
     path = _cache_path(args, cache_dir) if cache else None
-    arrays = _load(path) if path is not None and path.exists() else None
+    cached = path is not None and path.exists()
+    arrays = _load(path) if cached else None
     if arrays is None:
         arrays = _generate(**args)
         if path is not None:
-            _save(path, arrays, old=_cache_path(args, cache_dir, version=1))
+            _save(path, arrays, damaged=cached, old=_cache_path(args, cache_dir, version=1))
     return _assemble(args, arrays)
 
 
@@ -265,24 +267,28 @@ def _cache_path(
     return root / (f"synthetic-{digest}" + (".npz" if version == 1 else ""))
 
 
-def _save(path: Path, arrays: dict[str, np.ndarray], old: Path | None = None) -> None:
+def _save(
+    path: Path, arrays: dict[str, np.ndarray], damaged: bool = False, old: Path | None = None
+) -> None:
     """Write a folder of .npy files atomically (a temp folder, then a rename) so an
-    interrupted run leaves no torn cache; then remove ``old`` (the same data in the previous
-    format, which would only take disk space)."""
+    interrupted run leaves no torn cache, in place of a ``damaged`` one (a run that mapped
+    its files keeps them); then remove ``old`` (the same data in the previous format, which
+    would only take disk space)."""
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:
         tmp.mkdir(parents=True, exist_ok=True)
         for name in ARRAYS:
             np.save(tmp / f"{name}.npy", arrays[name])
-        if path.exists():  # damaged: replaced (a run that mapped its files keeps them)
-            shutil.rmtree(path)
-        os.replace(tmp, path)
+        if damaged:
+            shutil.rmtree(path, ignore_errors=True)
+        os.replace(tmp, path)  # fails if another run stored it meanwhile: theirs is kept
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if not path.is_dir():  # else another run stored the same data first
             raise GossipError(f"synthetic: cannot write cache {path}: {e.strerror}") from e
     if old is not None:
-        old.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # only disk space is at stake
+            old.unlink(missing_ok=True)
 
 
 def _load(path: Path) -> dict[str, np.ndarray] | None:
