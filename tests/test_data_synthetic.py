@@ -83,6 +83,16 @@ def test_cache_written_by_another_run_meanwhile_is_kept(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["synthetic-x"]
 
 
+def test_unwritable_cache_warns_and_the_data_is_used(tmp_path):
+    """A cache folder that cannot be made (here a file is in the way) costs a warning, not
+    the run."""
+    (tmp_path / "file").write_text("")
+    with pytest.warns(UserWarning, match="cannot write cache"):
+        ds = make_synthetic(**SMALL, cache_dir=tmp_path / "file" / "cache")
+    for u, v in zip(_arrays(ds), _arrays(make_synthetic(**SMALL, cache=False))):
+        np.testing.assert_array_equal(u, v)
+
+
 def test_env_cache_dir(tmp_path, monkeypatch):
     monkeypatch.setenv("GOSSIP_PFL_CACHE", str(tmp_path))
     make_synthetic(**SMALL)

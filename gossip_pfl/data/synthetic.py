@@ -285,7 +285,9 @@ def _save(
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if not path.is_dir():  # else another run stored the same data first
-            raise GossipError(f"synthetic: cannot write cache {path}: {e.strerror}") from e
+            # only a cache: the run goes on with the data it generated
+            warnings.warn(f"synthetic: cannot write cache {path} ({e.strerror}); the data "
+                          "is generated again next time", stacklevel=3)  # fmt: skip
     if old is not None:
         with contextlib.suppress(OSError):  # only disk space is at stake
             old.unlink(missing_ok=True)
