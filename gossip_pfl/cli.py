@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import warnings
 
 # Before torch (and so OpenMP) loads: idle OpenMP threads sleep instead of spinning. Two runs
 # side by side, each with a thread per core, were 2x to 10x slower than alone with spinning
@@ -38,11 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one line, like the errors (not Python's file, line and source text)."""
+    kind = "" if category is UserWarning else f" ({category.__name__})"
+    print(f"gossip-pfl: warning{kind}: {message}", file=file or sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = _warning_line
+            return int(args.func(args) or 0)
     except (GossipError, TopologyError) as err:
         print(f"gossip-pfl: error: {err}", file=sys.stderr)
         return 2

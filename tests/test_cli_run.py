@@ -4,6 +4,7 @@ and a bad override."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 
@@ -38,3 +39,16 @@ def test_unknown_override_is_one_line_error(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "algorithm.lrr" in err[0] and "lr" in err[0]
     assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_warning_is_one_line(tmp_path, capsys, monkeypatch):
+    """A warning during a run (here: a synthetic cache that cannot be written) is one
+    'gossip-pfl: warning:' line, and the run goes on."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("GOSSIP_PFL_CACHE", str(tmp_path / "file"))
+    config = str(Path(__file__).parent.parent / "configs" / "synthetic" / "local.yaml")
+    args = ["run", config, "--set", "rounds=1", "--set", "data.n_clients=4", "--set",
+            "data.n_test=5", "--out", str(tmp_path / "run"), "--no-plots", "--quiet"]  # fmt: skip
+    assert main(args) == 0
+    err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(err) == 1 and err[0].startswith("gossip-pfl: warning: synthetic: cannot write")
