@@ -36,11 +36,11 @@ def max_pool_2x2(x: torch.Tensor) -> torch.Tensor:
     same indices, so the gradient reaching the convolution keeps its layout; values, indices
     and gradients are the same bits as ``torch.max_pool2d`` (tests/test_speed.py). Not for
     torch.func transforms (the batched forwards call it; ``forward`` keeps max_pool2d)."""
-    if x.device.type != "cpu" or x.dim() != 4 or not torch.is_grad_enabled():
-        if x.device.type == "cpu" and x.dim() == 4:
-            return torch.max_pool2d(x.contiguous(memory_format=torch.channels_last), 2).contiguous()
+    if x.device.type != "cpu" or x.dim() != 4:
         return torch.max_pool2d(x, 2)
-    return _MaxPool2x2.apply(x)
+    if torch.is_grad_enabled() and x.requires_grad:
+        return _MaxPool2x2.apply(x)
+    return torch.max_pool2d(x.contiguous(memory_format=torch.channels_last), 2).contiguous()
 
 
 class _MaxPool2x2(torch.autograd.Function):
