@@ -29,6 +29,7 @@ import hashlib
 import json
 import os
 import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -274,16 +275,18 @@ def _save(
     interrupted run leaves no torn cache, in place of a ``damaged`` one (a run that mapped
     its files keeps them); then remove ``old`` (the same data in the previous format, which
     would only take disk space)."""
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp = None
     try:
-        tmp.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp"))
         for name in ARRAYS:
             np.save(tmp / f"{name}.npy", arrays[name])
         if damaged:
             shutil.rmtree(path, ignore_errors=True)
         os.replace(tmp, path)  # fails if another run stored it meanwhile: theirs is kept
     except OSError as e:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         if not path.is_dir():  # else another run stored the same data first
             # only a cache: the run goes on with the data it generated
             warnings.warn(f"synthetic: cannot write cache {path} ({e.strerror}); the data "
