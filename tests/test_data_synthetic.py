@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import os
 
 import numpy as np
 import pytest
@@ -54,7 +55,11 @@ def test_cache_round_trip(tmp_path):
     stale.write_bytes(b"old")
     fresh = make_synthetic(**args, cache=False)
     a = make_synthetic(**args, cache_dir=tmp_path)
-    assert [p.name for p in tmp_path.iterdir()] == [_cache_path({**_ARGS, **args}, tmp_path).name]
+    (folder,) = tmp_path.iterdir()
+    assert folder.name == _cache_path({**_ARGS, **args}, tmp_path).name
+    umask = os.umask(0)
+    os.umask(umask)
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~umask  # readable by those who share it
     b = make_synthetic(**args, cache_dir=tmp_path)
     assert isinstance(b.clients[0].x_test.base, np.memmap)
     for u, v, w in zip(_arrays(fresh), _arrays(a), _arrays(b)):

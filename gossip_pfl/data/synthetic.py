@@ -29,7 +29,7 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
+import uuid
 import warnings
 from pathlib import Path
 
@@ -278,7 +278,10 @@ def _save(
     tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f"{path.name}.", suffix=".tmp"))
+        # a name no other run picks (two hosts sharing the cache can share a pid); mkdir, not
+        # mkdtemp, so the folder gets the umask's permissions like the rest of the cache
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.{uuid.uuid4().hex[:12]}.tmp")
+        tmp.mkdir()
         for name in ARRAYS:
             np.save(tmp / f"{name}.npy", arrays[name])
         if damaged:
