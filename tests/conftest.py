@@ -11,6 +11,8 @@ is set here, before torch is imported, so the processes the tests start inherit 
 problems are too small to gain from a second thread, and OpenMP threads that spin at barriers
 on a busy or shared machine make a run many times slower (docs/development.md). How a run picks
 its thread count is tested on its own (tests/test_speed.py).
+
+The caches (synthetic data, FMMC weights) live in a folder of the pytest run, not in ~/.cache.
 """
 
 from __future__ import annotations
@@ -32,6 +34,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "cuda" in item.keywords and not HAS_CUDA:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _own_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The synthetic data and FMMC weights the tests make go to a folder of this pytest run,
+    shared by its workers, not to the user's ~/.cache: a stale or foreign cache cannot change
+    a test, and the suite writes nothing into the home folder. Set in the environment, so the
+    processes the tests start use it too."""
+    root = tmp_path_factory.getbasetemp()
+    shared = root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+    os.environ["GOSSIP_PFL_CACHE"] = str(shared / "gossip-pfl-cache")
 
 
 @pytest.fixture(autouse=True)
