@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from gossip_pfl.errors import GossipError
+from gossip_pfl.rundir import CHECKPOINT_FILE as FILE
 
-FILE = "checkpoint.pt"
 FORMAT_VERSION = 1
 _MAGIC_PREFIX = b"gossip-pfl checkpoint "
 MAGIC = _MAGIC_PREFIX + b"v%d\n" % FORMAT_VERSION

@@ -22,20 +22,16 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
-from gossip_pfl import checkpoint
-from gossip_pfl.config import RunConfig, load_config, read_yaml
-from gossip_pfl.errors import GossipError
+from gossip_pfl.config import load_config, read_yaml
+from gossip_pfl.errors import KILLED_EXIT, GossipError
 from gossip_pfl.metrics import score_entries
-from gossip_pfl.train import Trainer
 
-#: the exit code of a process that the kill schedule (runtime.faults.kill) crashed
-KILLED = 75
-#: coordinates of the mixed rows sampled to measure the drift of the average (all if fewer)
-PROBES = 64
+if TYPE_CHECKING:
+    from gossip_pfl.config import RunConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -79,93 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_merge)
 
 
-# ---- one process -----------------------------------------------------------------------
-class PeerTrainer(Trainer):
-    """The Trainer in a peer-to-peer world: the same rounds; only what needs every process
-    (the run's metrics, the start, a restart) is done differently."""
-
-    def __init__(self, cfg: RunConfig, dataset, comm, log=print):
-        super().__init__(cfg, dataset, comm, log)
-        self.resumed = False
-        self.wait_round = 0  # a restart waits for the running peers to reach this round
-        width = self.nodes[0].numel() if self.bundle.plain else self.bundle.width
-        g = torch.Generator().manual_seed(cfg.seed)  # the same coordinates in every process
-        probe = torch.randperm(width, generator=g)[:PROBES].sort().values
-        self.probe = probe.to(self.device)
-        self.links = open(Path(cfg.out) / "links.jsonl", "a", buffering=1)  # noqa: SIM115
-        self.exchanger.on_mix = self._log_mix
-
-    def run(self, resume: bool = False) -> dict:
-        try:
-            if not resume:  # a fresh start needs every process
-                self.comm.join(0, need_all=True)
-            return super().run(resume)
-        finally:
-            self.links.close()
-
-    def restore(self, out: Path) -> tuple[int, list]:
-        """The process's own latest checkpoint (none: its initial state), then the round the
-        running peers are at."""
-        first, rows = 0, []
-        if (Path(out) / checkpoint.FILE).is_file():
-            first, rows = super().restore(out)
-        self.resumed = True
-        start = self.comm.join(first, need_all=False, wait_round=self.wait_round)
-        if start > first:
-            self.log(f"process {self.comm.rank}: rejoins at round {start} (checkpoint: {first})")
-        return start, rows
-
-    def sample(self, t: int) -> np.ndarray:
-        for kill in self.cfg.runtime.faults.kill:
-            if kill["id"] == self.comm.rank and kill["round"] == t and not self.resumed:
-                print(f"gossip-pfl: process {self.comm.rank} killed at round {t} "
-                      "(runtime.faults.kill)", file=sys.stderr, flush=True)  # fmt: skip
-                self.links.flush()
-                os._exit(KILLED)  # a crash: no checkpoint, no goodbye
-        return super().sample(t)
-
-    def _log_mix(self, state: torch.Tensor, out: torch.Tensor, lost: set) -> None:
-        before = state[:, self.probe].double().sum(0)
-        change = out[:, self.probe].double().sum(0) - before
-        entry = {**self.comm.last_links, "before": before.tolist(), "change": change.tolist()}
-        self.links.write(json.dumps(entry) + "\n")
-
-    def metrics_row(self, t: int) -> dict:
-        """This process's peers' values, one list entry per peer (``merge`` combines them);
-        the local means keep the progress line readable."""
-        mine = self.peers
-        tr_loss, tr_acc, tr_n = (v[mine] for v in self.evaluate(self.train))
-        te_loss, te_acc, te_n = (v[mine] for v in self.evaluate(self.test))
-        row = {
-            "round": t + 1,
-            "peers": mine.tolist(),
-            "train_loss": float((tr_loss * tr_n).sum() / max(tr_n.sum(), 1)),
-            "test_accuracy": float(te_acc.mean()),
-            "consensus_distance": [float("nan")],  # needs every peer: merge, from checkpoints
-            "peer_train_loss": tr_loss.tolist(),
-            "peer_train_accuracy": tr_acc.tolist(),
-            "peer_train_count": tr_n.tolist(),
-            "peer_test_loss": te_loss.tolist(),
-            "peer_test_accuracy": te_acc.tolist(),
-            "peer_test_count": te_n.tolist(),
-            **self.traffic(),
-            "seconds_local": self.times["local"],
-            "seconds_exchange": self.times["exchange"],
-            "links": dict(self.comm.stats),
-        }
-        if self.M > 1 and "pi" in self.personal:
-            row["peer_pi"] = self.personal["pi"].double().cpu().tolist()
-        return row
-
-    def summary(self, last: dict, wall: float) -> dict:
-        return {"algorithm": self.cfg.algorithm.name, "process": self.comm.rank,
-                "peers": last["peers"], "rounds": self.cfg.rounds, "round": last["round"],
-                "test_accuracy": last["test_accuracy"], "wall_seconds": wall,
-                "links": dict(self.comm.stats)}  # fmt: skip
-
-
 def cmd_peer(args: argparse.Namespace) -> int:
     from gossip_pfl.data import load_dataset
+    from gossip_pfl.peer import PeerTrainer
     from gossip_pfl.rundir import RunStopped, check_out_dir
     from gossip_pfl.runtime.comm import resolve_device
     from gossip_pfl.runtime.zmq_comm import Faults, ZmqComm, read_peers
@@ -305,7 +217,7 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
             if p.poll() is None:
                 continue
             del running[k]
-            if p.returncode == KILLED and k in standby:
+            if p.returncode == KILLED_EXIT and k in standby:
                 running[k] = standby.pop(k)
             else:
                 codes[k] = p.returncode
@@ -315,7 +227,7 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
                 p.wait()
             standby = {}
         time.sleep(0.05)
-    failed = {k: c for k, c in codes.items() if c not in (0, KILLED)}
+    failed = {k: c for k, c in codes.items() if c not in (0, KILLED_EXIT)}
     if failed:
         k, code = sorted(failed.items())[0]
         lines = (run_dir / "logs" / f"{k}.txt").read_text().strip().splitlines()
@@ -464,6 +376,8 @@ def _merge_links(folders: list[Path]) -> dict:
 def _final_consensus(folders: list[Path], last: dict) -> dict:
     """The consensus distance after the last round, from the processes' checkpoints (each
     holds its own peers' rows), when every process saved that round."""
+    from gossip_pfl import checkpoint
+
     states = []
     for f in folders:
         try:

@@ -51,9 +51,7 @@ def default_config() -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gossip_pfl import checkpoint
     from gossip_pfl.rundir import RunStopped, check_out_dir
-    from gossip_pfl.train import run
 
     overrides = list(args.overrides) + ([f"out={args.out}"] if args.out else [])
     if args.resume:
@@ -66,6 +64,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         cfg = load_config(None, overrides, base=default_config())
     check_out_dir(Path(cfg.out), bool(args.resume), args.overwrite)  # before any data is built
+    # torch loads only now (2 s or more): a bad config or folder is reported at once
+    from gossip_pfl import checkpoint
+    from gossip_pfl.train import run
+
     log = (lambda *a, **k: None) if args.quiet else print
     try:
         summary = run(cfg, log=log, resume=bool(args.resume))

@@ -17,7 +17,7 @@ from typing import Any
 
 import yaml
 
-from gossip_pfl.algorithms.rules import RULE_NAMES
+from gossip_pfl.algorithms import RULE_NAMES
 from gossip_pfl.errors import GossipError
 from topologies import TopologyError
 from topologies.spec import read_mapping

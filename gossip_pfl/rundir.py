@@ -9,8 +9,11 @@ import signal
 import threading
 from pathlib import Path
 
-from gossip_pfl import checkpoint
 from gossip_pfl.errors import GossipError
+
+#: the checkpoint's name in a run folder (gossip_pfl.checkpoint writes it; named here, where
+#: the folder is checked, so the check needs no torch)
+CHECKPOINT_FILE = "checkpoint.pt"
 
 
 class Progress:
@@ -106,7 +109,7 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
         )
     if out.is_dir() and not resume:
         found = [
-            f for f in ("metrics.jsonl", "summary.json", checkpoint.FILE) if (out / f).exists()
+            f for f in ("metrics.jsonl", "summary.json", CHECKPOINT_FILE) if (out / f).exists()
         ]
         if found and not overwrite:
             raise GossipError(
@@ -114,7 +117,7 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
                 f"continue it with --resume {out}, or replace it with --overwrite"
             )
         if found and int(os.environ.get("RANK", 0)) == 0:  # a stop must not resume the old run
-            (out / checkpoint.FILE).unlink(missing_ok=True)
+            (out / CHECKPOINT_FILE).unlink(missing_ok=True)
 
 
 def append_row(path: Path, row: dict) -> None:

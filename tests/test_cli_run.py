@@ -52,3 +52,38 @@ def test_warning_is_one_line(tmp_path, capsys, monkeypatch):
     assert main(args) == 0
     err = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
     assert len(err) == 1 and err[0].startswith("gossip-pfl: warning: synthetic: cannot write")
+
+
+def test_checks_help_topology_and_plot_errors_do_not_load_torch(tmp_path):
+    """Importing torch takes seconds: a bad config, a taken run folder, --help, the topology
+    commands and a plot of a missing run answer without it."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "summary.json").write_text("{}")
+    script = f"""
+import contextlib, io, sys
+from gossip_pfl.cli import main
+runs = [
+    (["run", "configs/synthetic/dfedem.yaml", "--set", "rounds=-1"], 2),
+    (["run", "configs/synthetic/dfedem.yaml", "--out", {str(taken)!r}], 2),
+    (["topology", "describe", "configs/topologies/lesmis.yaml"], 0),
+    (["plot", {str(tmp_path / "missing")!r}], 2),
+    (["--help"], 0),
+]
+for argv, want in runs:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        try:
+            code = main(argv)
+        except SystemExit as stop:
+            code = stop.code
+    assert code == want, (argv, code)
+print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
+"""
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

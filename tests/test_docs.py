@@ -270,6 +270,8 @@ PARSE_ONLY = {
     "NNODES=": "needs several nodes: bash -n, config checked",
     "sbatch ": "needs SLURM: bash -n, config checked",
     "gossip-pfl plot runs/fashion_mnist/": "plots the 22-minute study's runs: arguments parsed",
+    "gossip-pfl peers-local configs/synthetic/p2p_small.yaml -n 4 --out runs/p2p_kill": "tests/"
+    "test_zmq_p2p.py runs this command (14 s: four processes and a restart) and checks its output",
 }
 
 RULES = (

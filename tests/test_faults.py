@@ -108,12 +108,12 @@ def test_output_folder_that_is_a_file(tmp_path, capsys):
 
 def test_another_runs_folder_is_kept_unless_overwrite(tmp_path, capsys):
     cfg, out = write_cfg(tmp_path), tmp_path / "run"
-    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 0
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--no-plots"]) == 0
     capsys.readouterr()
     before = (out / "metrics.jsonl").read_bytes()
     one_line_error(capsys, ["run", str(cfg), "--out", str(out), "--quiet"], "holds another run")
     assert (out / "metrics.jsonl").read_bytes() == before
-    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--overwrite"]) == 0
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--overwrite", "--no-plots"]) == 0
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
@@ -186,11 +186,10 @@ def test_sigterm_checkpoints_and_the_resumed_run_equals_the_uninterrupted(tmp_pa
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert main(["run", "--resume", str(out), "--set", f"rounds={total}", "--quiet"]) == 0
+        opts = ["--set", f"rounds={total}", "--quiet", "--no-plots"]
+        assert main(["run", "--resume", str(out), *opts]) == 0
         ref = tmp_path / "ref"
-        assert (
-            main(["run", str(cfg), "--out", str(ref), "--set", f"rounds={total}", "--quiet"]) == 0
-        )
+        assert main(["run", str(cfg), "--out", str(ref), *opts]) == 0
     finally:
         torch.set_num_threads(threads)
     a = json.loads((out / "summary.json").read_text())

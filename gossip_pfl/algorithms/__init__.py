@@ -11,6 +11,13 @@ from dataclasses import dataclass
 
 from gossip_pfl.errors import GossipError
 
+#: the aggregation rules (gossip_pfl.algorithms.rules.build_rule); here, without torch, for
+#: the config's checks
+RULE_NAMES = (
+    "average", "server_sgd", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedexp",
+    "fedli_lu", "fedli_ls", "scaffold", "clustered",
+)  # fmt: skip
+
 
 @dataclass(frozen=True)
 class AlgorithmSpec:

@@ -28,6 +28,7 @@ from typing import ClassVar
 
 import torch
 
+from gossip_pfl.algorithms import RULE_NAMES
 from gossip_pfl.errors import GossipError
 
 State = dict[str, torch.Tensor]
@@ -263,11 +264,6 @@ class ScaffoldClient:
     def receive(self, state: State, parts: dict[str, torch.Tensor]) -> State:
         return {**state, "c": parts["control"].clone()}
 
-
-RULE_NAMES = (
-    "average", "server_sgd", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedexp",
-    "fedli_lu", "fedli_ls", "scaffold", "clustered",
-)  # fmt: skip
 
 #: each rule's server step size when ``rule.lr`` is not set
 DEFAULT_LR = {"server_sgd": 1.0, "fedavgm": 1.0, "fedadam": 0.01, "fedyogi": 0.01,
