@@ -1,5 +1,7 @@
 """Weight rules: closed forms, invariants and the FMMC optimum."""
 
+import os
+
 import numpy as np
 import pytest
 
@@ -104,6 +106,26 @@ def test_fmmc_weights_are_cached_per_graph_and_solver(tmp_path, monkeypatch):
     np.testing.assert_array_equal(wts.fmmc(graph), first)
     assert len(calls) == 5 and np.load(path).shape == (graph.number_of_edges(),)
     assert wts.fmmc_cache_dir() == tmp_path / "fmmc"
+
+
+def test_fmmc_cache_writers_do_not_share_a_temp_file(tmp_path):
+    """A writer on another host sharing the cache may have our pid: its temp file is left
+    alone; ours leaves nothing behind; the file gets the umask's permissions (others sharing
+    the cache read it), not a private temp file's 0600."""
+    path = tmp_path / "fmmc" / "n3-x.npy"
+    path.parent.mkdir()
+    theirs = path.with_suffix(f".{os.getpid()}.tmp")  # the name a pid-only scheme would pick
+    theirs.write_bytes(b"another host, mid-write")
+    old = os.umask(0o022)
+    try:
+        wts._store_fmmc(path, np.array([0.1, 0.2]))
+        wts._store_fmmc(path, np.array([0.3, 0.4]))
+    finally:
+        os.umask(old)
+    assert theirs.read_bytes() == b"another host, mid-write"
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, theirs.name])
+    np.testing.assert_array_equal(np.load(path), [0.3, 0.4])
+    assert path.stat().st_mode & 0o777 == 0o644
 
 
 def test_best_constant_capped_nonnegative_on_star():

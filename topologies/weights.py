@@ -15,6 +15,7 @@ import contextlib
 import difflib
 import hashlib
 import os
+import uuid
 import warnings
 from pathlib import Path
 
@@ -271,11 +272,13 @@ def _cached_fmmc(path: Path, edges: int) -> np.ndarray | None:
 
 
 def _store_fmmc(path: Path, w: np.ndarray) -> None:
-    """Write atomically (temp file + rename); a cache that cannot be written is skipped."""
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    """Write atomically (temp file + rename); a cache that cannot be written is skipped. The
+    temp name is unique to this writer (processes on other hosts sharing the cache may have
+    our pid), and made with the umask's permissions, so others sharing the cache can read."""
+    tmp = path.with_suffix(f".{os.getpid()}-{uuid.uuid4().hex[:12]}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
+        with open(tmp, "xb") as f:
             np.save(f, np.asarray(w, dtype=np.float64))
         os.replace(tmp, path)
     except OSError:
