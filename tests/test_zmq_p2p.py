@@ -146,6 +146,29 @@ def test_lost_links_are_decided_alike_by_both_ends(drop):
         assert any(lost for _, ls in out.values() for lost in ls)
 
 
+def test_a_one_process_run_waits_for_nobody():
+    """A peers file of one process (`peers-local -n 1`): its start and a restart join at once
+    (they waited runtime.timeout_s for an empty list of ranks, then stopped), and a mix over
+    a self-loop gives the rows back."""
+    from gossip_pfl.runtime.exchange import Exchanger
+    from gossip_pfl.runtime.placement import Placement
+    from topologies import Phase
+
+    comm = zc.ZmqComm(0, _ports(1), "cpu", 20, p2p=True, link_timeout_s=5)
+    try:
+        start = time.monotonic()
+        assert comm.join(0, need_all=True) == 0
+        assert comm.join(3, need_all=False, wait_round=3) == 3
+        x = torch.arange(6.0).view(2, 3)
+        ex = Exchanger(Placement(2, 1, 0), comm)
+        comm.set_tag(3, 0)
+        out = ex.mix(x, ex.plan(Phase(2, np.arange(2), np.arange(2), np.ones(2)), key=0))
+        torch.testing.assert_close(out, x)
+        assert comm.last_links["lost"] == [] and time.monotonic() - start < 5
+    finally:
+        comm.close()
+
+
 def test_a_dead_peer_loses_only_its_own_links():
     """A ring of 4 where rank 0 dies at round 2: ranks 1 and 3 wait a link timeout for it and
     come late to rank 2, which is already in the next round. Their keepalives extend rank 2's

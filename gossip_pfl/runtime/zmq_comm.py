@@ -664,6 +664,8 @@ class ZmqComm:
         self.set_tag(first_round, 0)
         self._silent.clear()
         others = [r for r in self.peers if r != self.rank]
+        if not others:  # a one-process run: nobody to wait for (waiting would time out)
+            return first_round
         deadline = time.monotonic() + self.timeout_s
         first_heard, announced = None, -math.inf
         # a few header-only messages: often enough that a restart waiting for round
