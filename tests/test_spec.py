@@ -9,6 +9,7 @@ from topologies.spec import (
     KNOWN_FAMILIES,
     load_npz,
     load_schedule,
+    read_mapping,
     save_npz,
     schedule_from_spec,
 )
@@ -180,6 +181,12 @@ def test_file_errors(tmp_path):
     bad = write(tmp_path, "n: 8\ngraph: ring\n  weights: [metropolis\n", "bad.yaml")
     with pytest.raises(TopologyError, match=r"bad.yaml line \d+: malformed YAML"):
         load_schedule(bad)
+    # plain YAML keeps the last of two equal keys: the ring would silently win
+    twice = write(tmp_path, "n: 8\ngraph: complete\ngraph: ring\n", "twice.yaml")
+    with pytest.raises(TopologyError, match="twice.yaml line 3: .*key 'graph' given twice"):
+        load_schedule(twice)
+    merged = write(tmp_path, "base: &b {n: 8, graph: ring}\nx:\n  <<: *b\n  n: 6\n", "m.yaml")
+    assert read_mapping(merged)["x"] == {"n": 6, "graph": "ring"}  # an override is no repeat
     f = write(tmp_path, {"n": 8, "graph": "rnig"}, "u.yaml")
     with pytest.raises(TopologyError, match="u.yaml: graph: unknown family"):
         load_schedule(f)

@@ -225,11 +225,33 @@ def test_a_send_to_a_peer_that_never_starts_times_out():
         ({0: "127.0.0.1", 1: "127.0.0.1:5001"}, "is not host:port"),
         ({0: "127.0.0.1:5000", "x": "127.0.0.1:5001"}, "is not an integer"),
         ([], "expected a mapping"),
+        ({0: "127.0.0.1:5000", 1.7: "127.0.0.1:5001"}, "rank id 1.7 is not an integer"),
+        ({0: "127.0.0.1:5000", True: "127.0.0.1:5001"}, "rank id True is not an integer"),
     ],
 )
 def test_bad_peers_tables(peers, message):
     with pytest.raises(GossipError, match=message):
         zc.read_peers(peers)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # YAML keeps the last of two equal keys: the file would be a world of one process
+        ("0: 127.0.0.1:5000\n0: 127.0.0.1:5001\n", "line 2: .*key 0 given twice"),
+        ("0: 127.0.0.1:5000\n1: 127.0.0.1:5001\n1.0: 127.0.0.1:5002\n", "key 1.0 given twice"),
+        ("0: 127.0.0.1:5000\n1.7: 127.0.0.1:5001\n", "rank id 1.7 is not an integer"),
+        ("0: [127.0.0.1:5000\n", "malformed YAML"),
+    ],
+)
+def test_bad_peers_files_name_the_file_and_line(tmp_path, text, message):
+    f = tmp_path / "peers.yaml"
+    f.write_text(text)
+    with pytest.raises(GossipError, match=message) as err:
+        zc.read_peers(f)
+    assert str(err.value).startswith(f"peers file {f}") and "\n" not in str(err.value)
+    with pytest.raises(GossipError, match="peers file not found"):
+        zc.read_peers(tmp_path / "none.yaml")
 
 
 def test_peers_file_port_in_use_and_registry(tmp_path):

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from collections.abc import Hashable
 from pathlib import Path
 
 import networkx as nx
@@ -381,6 +382,26 @@ def load_schedule(path: str | Path) -> MixingSchedule:
     return _wrap(str(p), schedule_from_spec, spec, p.parent)
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (plain YAML keeps the last
+    silently: a config's second ``rounds:`` or a peers file's second ``0:`` would win)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # ``<<``: merged keys may be overridden
+                continue
+            key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):  # SafeLoader names that one
+                continue
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} given twice", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def read_mapping(path: str | Path, what: str = "file") -> dict:
     """The YAML mapping in ``path`` ({} for an empty file). A missing file, a syntax error (with
     its line) or a non-mapping document is a one-line TopologyError naming the file.
@@ -399,7 +420,7 @@ def read_mapping(path: str | Path, what: str = "file") -> dict:
     if not p.is_file():
         raise TopologyError(f"{what} not found: {p}")
     try:
-        data = yaml.safe_load(p.read_text())
+        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""

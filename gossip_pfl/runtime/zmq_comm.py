@@ -121,29 +121,29 @@ def read_peers(peers: str | Path | dict) -> dict[int, str]:
     """``{rank: "host:port"}`` from a YAML file or a dict; ranks must be 0..n-1, addresses
     distinct. Raises GossipError with one line naming the problem."""
     if isinstance(peers, (str, Path)):
-        import yaml
+        from topologies import TopologyError
+        from topologies.spec import read_mapping
 
-        path = Path(peers)
-        try:
-            raw = yaml.safe_load(path.read_text())
-        except OSError as err:
-            raise GossipError(f"peers file {path}: {err.strerror or err}") from None
-        except yaml.YAMLError as err:
-            raise GossipError(
-                f"peers file {path}: not valid YAML ({err})".splitlines()[0]
-            ) from None
-        where = f"peers file {path}"
+        where = f"peers file {peers}"
+        try:  # one line for a missing file, bad YAML or an id given twice
+            raw = read_mapping(peers, "peers file")
+        except TopologyError as err:
+            msg = str(err)  # "peers file not found: ..." or "PATH line N: ..."
+            raise GossipError(msg if msg.startswith("peers") else f"peers file {msg}") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise GossipError(f"{where}: {getattr(err, 'strerror', None) or err}") from None
     else:
         raw, where = peers, "peers"
     if not isinstance(raw, dict) or not raw:
         raise GossipError(f"{where}: expected a mapping of rank id -> host:port")
     table: dict[int, str] = {}
     for key, addr in raw.items():
-        try:
-            rank = int(key)
-        except (TypeError, ValueError):
-            raise GossipError(f"{where}: rank id {key!r} is not an integer") from None
-        if isinstance(key, bool) or rank < 0 or rank in table:
+        # an int, or a string of digits: int(1.7) or int(True) would pass as another rank
+        is_int = isinstance(key, int) and not isinstance(key, bool)
+        if not (is_int or (isinstance(key, str) and key.strip().isdigit())):
+            raise GossipError(f"{where}: rank id {key!r} is not an integer")
+        rank = int(key)
+        if rank < 0 or rank in table:
             raise GossipError(f"{where}: bad or repeated rank id {key!r}")
         table[rank] = _check_address(str(addr), f"{where}: rank {rank}")
     missing = sorted(set(range(len(table))) - set(table))
