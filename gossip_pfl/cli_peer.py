@@ -182,6 +182,10 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
     read_yaml(args.config)
     cfg = load_config(args.config, [*args.overrides, "runtime.transport=zmq"])
     _check_workload(cfg)
+    for kill in cfg.runtime.faults.kill:  # before any process starts (they would check alone)
+        if kill["id"] >= args.n:
+            raise GossipError(f"runtime.faults.kill: id {kill['id']} is not one of the "
+                              f"-n {args.n} processes (ids 0..{args.n - 1})")  # fmt: skip
     run_dir = Path(args.out or cfg.out)
     if (run_dir / "peers").exists():
         if not args.overwrite:

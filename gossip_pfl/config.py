@@ -413,7 +413,7 @@ def validate(cfg: RunConfig) -> None:
         (ls.max_trials >= 1, "line_search.max_trials", "must be >= 1"),
         (ls.reset in ("grow", "keep", "max"), "line_search.reset", "must be grow|keep|max"),
         *_pefll_checks(cfg.pefll),
-        *_transport_checks(cfg.runtime),
+        *_transport_checks(cfg.runtime, cfg.rounds),
         *_expfam_checks(cfg),
     ]  # fmt: skip
     for ok, key, msg in checks:
@@ -432,8 +432,9 @@ def validate(cfg: RunConfig) -> None:
         )
 
 
-def _transport_checks(rt: RuntimeConfig) -> list[tuple[bool, str, str]]:
+def _transport_checks(rt: RuntimeConfig, rounds: int) -> list[tuple[bool, str, str]]:
     f = rt.faults
+    kills = [k for k in f.kill if _is_kill(k)]  # the malformed ones fail the first kill check
     return [
         (rt.transport in ("torch", "zmq"), "runtime.transport", "must be torch|zmq"),
         (rt.link_timeout_s is None or rt.link_timeout_s > 0, "runtime.link_timeout_s",
@@ -441,9 +442,12 @@ def _transport_checks(rt: RuntimeConfig) -> list[tuple[bool, str, str]]:
         (0 <= f.drop < 1, "runtime.faults.drop", "must be in [0, 1)"),
         (0 <= f.ack_drop < 1, "runtime.faults.ack_drop", "must be in [0, 1)"),
         (all(_is_kill(k) for k in f.kill), "runtime.faults.kill",
-         "must be a list of {id: K, round: R, restart: R2 > R (optional)} with K, R >= 0"),
+         "must be a list of {id: K >= 0, round: R >= 1, restart: R2 > R (optional)}"),
         (rt.transport == "zmq" or not (f.drop or f.ack_drop or f.kill), "runtime.faults",
          "needs runtime.transport zmq (torch.distributed stops at a lost link)"),
+        # the restart would wait for a round the others never reach
+        (all(k.get("restart", 0) < rounds for k in kills), "runtime.faults.kill",
+         f"restart rounds must be < rounds = {rounds} (the others finish first)"),
     ]  # fmt: skip
 
 
@@ -454,9 +458,12 @@ def _is_kill(entry) -> bool:
     if not isinstance(entry, dict) or set(entry) - {"id", "round", "restart"}:
         return False
     restart = entry.get("restart")
+    # round >= 1: a process killed at round 0 may die before it announced itself, and
+    # whether the others wait for it (or its restart for them) is then a race
     return (
         count(entry.get("id"))
         and count(entry.get("round"))
+        and entry["round"] >= 1
         and (restart is None or (count(restart) and restart > entry["round"]))
     )
 

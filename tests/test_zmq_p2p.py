@@ -317,3 +317,26 @@ def test_bad_peers_files_exit_2_with_one_line(tmp_path, capsys, peers, message):
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert re.search(message, err), err
+
+
+@pytest.mark.parametrize(
+    ("kill", "message"),
+    [
+        # the restart would wait for a round the others never reach (rounds = 6)
+        ("[{id: 1, round: 2, restart: 6}]", "restart rounds must be < rounds = 6"),
+        # a process killed at round 0 may die before it announced itself: a race
+        ("[{id: 1, round: 0}]", "round: R >= 1"),
+        ("[{id: 1, round: 0, restart: 2}]", "round: R >= 1"),
+        ("[{id: 1, round: 3, restart: 3}]", "restart: R2 > R"),
+        # process 7 of 4 (with a restart this was a KeyError, its 4 processes left running)
+        ("[{id: 7, round: 1, restart: 2}]", r"id 7 is not one of the -n 4 processes \(ids 0..3\)"),
+    ],
+)
+def test_bad_kill_schedules_stop_before_any_process_starts(tmp_path, capsys, kill, message):
+    cfg = _config(tmp_path)
+    start = time.monotonic()
+    code = main(["peers-local", str(cfg), "-n", "4", "--set", f"runtime.faults.kill={kill}"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert re.search(message, err), err
+    assert not (tmp_path / "run" / "logs").exists() and time.monotonic() - start < 5
