@@ -17,8 +17,16 @@ from gossip_pfl.errors import GossipError  # noqa: E402
 from topologies import TopologyError  # noqa: E402
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors on one line, like every other error of the command (argparse
+    prints the usage block first); subcommand parsers are made of this class too."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="gossip-pfl",
         description="Decentralized personalized federated learning over gossip topologies.",
     )
@@ -47,6 +55,9 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    if not (sys.argv[1:] if argv is None else argv):  # a bare command: what there is to run
+        parser.print_help(sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     try:
         with warnings.catch_warnings():

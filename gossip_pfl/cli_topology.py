@@ -75,7 +75,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     c.add_argument(
         "--json", action="store_true", help="print the table as JSON only (files still written)"
     )
-    c.add_argument("--seed", type=int, default=0, help="seed of x_0 (default 0)")
+    c.add_argument("--seed", type=_seed, default=0, help="seed of x_0 (default 0)")
     _add_horizon(c)
     c.set_defaults(func=cmd_consensus)
 
@@ -107,7 +107,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="windows sampled to estimate p, the mixing parameter of E||W X - Xbar||^2 <= "
         "(1 - p) ||X - Xbar||^2 over a window of tau rounds (default %(default)s)",
     )
-    d.add_argument("--seed", type=int, default=0, help="seed of the sampled windows (default 0)")
+    d.add_argument("--seed", type=_seed, default=0, help="seed of the sampled windows (default 0)")
     d.set_defaults(func=cmd_describe)
 
     e = tsub.add_parser(
@@ -135,14 +135,21 @@ def _add_horizon(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
+def _int_at_least(low: int, what: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+        return value
+
+    return parse
+
+
+_positive_int = _int_at_least(1, "a positive integer")
+_seed = _int_at_least(0, "a non-negative integer (a NumPy seed)")
 
 
 # --------------------------------------------------------------------------- loading

@@ -155,13 +155,16 @@ def test_consensus_missing_file(tmp_path, capsys, spec_module):
         ["topology"],
         ["topology", "export", "x.yaml", "-o", "w.npz"],
         ["topology", "describe"],
+        ["consensus", "--seed", "-1"],  # was NumPy's traceback
+        ["topology", "describe", "configs/topologies/ring16_link_failure.yaml", "--seed", "-2"],
     ],
 )
 def test_usage_errors_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         main(argv)
     assert exc.value.code == 2
-    assert "usage:" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "error: " in err and "--help)" in err, err
 
 
 def test_consensus_real_specs(tmp_path, capsys, spec_module):
