@@ -29,6 +29,7 @@ import numpy as np
 from gossip_pfl.config import load_config, read_yaml
 from gossip_pfl.errors import KILLED_EXIT, GossipError
 from gossip_pfl.metrics import score_entries
+from gossip_pfl.rundir import read_rows
 
 if TYPE_CHECKING:
     from gossip_pfl.config import RunConfig
@@ -245,12 +246,6 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
 
 
 # ---- merging ---------------------------------------------------------------------------
-def _read_rows(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def merge(run_dir: str | Path) -> dict:
     """Combine RUN_DIR/peers/*/ into RUN_DIR/metrics.jsonl and RUN_DIR/summary.json; returns
     the summary. Per round: the usual accuracies and losses over the peers that reported it
@@ -263,7 +258,7 @@ def merge(run_dir: str | Path) -> dict:
                      key=lambda p: int(p.name))  # fmt: skip
     if not folders:
         raise GossipError(f"merge: no process outputs in {run_dir / 'peers'}")
-    per_process = {int(f.name): _read_rows(f / "metrics.jsonl") for f in folders}
+    per_process = {int(f.name): read_rows(f / "metrics.jsonl") for f in folders}
     cfg = read_yaml(folders[0] / "config.yaml")
     rounds = sorted({r["round"] for rows in per_process.values() for r in rows})
     merged = []
@@ -349,7 +344,7 @@ def _merge_links(folders: list[Path]) -> dict:
     the number of peers, relative to the size of the average."""
     steps: dict[tuple, dict[int, dict]] = {}
     for f in folders:
-        for e in _read_rows(f / "links.jsonl"):
+        for e in read_rows(f / "links.jsonl"):
             steps.setdefault((e["round"], e["phase"]), {})[int(f.name)] = e
     lost_ends = disagree = ends = 0
     worst, total_change, size = 0.0, None, 1e-30

@@ -81,11 +81,10 @@ class RoundLoop:
 
     def progress_fields(self, row: dict) -> dict[str, str]:
         """The progress line's figures from a metrics row (a workload may show others)."""
-        return {
-            "loss": f"{row['train_loss']:.4f}",
-            "acc": f"{row['test_accuracy']:.4f}",
-            "consensus": f"{max(row['consensus_distance']):.3g}",
-        }
+        fields = {"loss": f"{row['train_loss']:.4f}", "acc": f"{row['test_accuracy']:.4f}"}
+        if row.get("consensus_distance"):  # a peer process has none (merge works it out)
+            fields["consensus"] = f"{max(row['consensus_distance']):.3g}"
+        return fields
 
     def _clock(self) -> float:
         """perf_counter once the device has finished its queued work: CUDA kernels and NCCL

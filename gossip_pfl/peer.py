@@ -72,7 +72,8 @@ class PeerTrainer(Trainer):
 
     def metrics_row(self, t: int) -> dict:
         """This process's peers' values, one list entry per peer (``merge`` combines them);
-        the local means keep the progress line readable."""
+        the local means keep the progress line readable. No consensus distance: it needs
+        every peer's parameters (``merge`` works it out from the checkpoints)."""
         mine = self.peers
         tr_loss, tr_acc, tr_n = (v[mine] for v in self.evaluate(self.train))
         te_loss, te_acc, te_n = (v[mine] for v in self.evaluate(self.test))
@@ -81,7 +82,6 @@ class PeerTrainer(Trainer):
             "peers": mine.tolist(),
             "train_loss": float((tr_loss * tr_n).sum() / max(tr_n.sum(), 1)),
             "test_accuracy": float(te_acc.mean()),
-            "consensus_distance": [float("nan")],  # needs every peer: merge, from checkpoints
             "peer_train_loss": tr_loss.tolist(),
             "peer_train_accuracy": tr_acc.tolist(),
             "peer_train_count": tr_n.tolist(),

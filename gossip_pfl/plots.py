@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gossip_pfl.errors import GossipError
+from gossip_pfl.rundir import read_rows
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -107,23 +108,11 @@ def load_run(path: str | Path) -> Run:
 
 
 def _read_metrics(file: Path) -> list[dict[str, Any]]:
-    try:
-        text = file.read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        raise GossipError(f"cannot read {file}: {_one_line(err)}") from None
     rows: list[dict[str, Any]] = []
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise GossipError(f"{file}, line {lineno}: not valid JSON ({err.msg})") from None
-        if not isinstance(row, dict):
-            raise GossipError(f"{file}, line {lineno}: expected a JSON object")
+    for k, row in enumerate(read_rows(file), start=1):
         rnd = row.get("round")
         if isinstance(rnd, bool) or not isinstance(rnd, int):
-            raise GossipError(f"{file}, line {lineno}: missing or non-integer 'round'")
+            raise GossipError(f"{file}, row {k}: missing or non-integer 'round'")
         # rows are appended: a run resumed from a checkpoint (or started again) in the same
         # folder repeats rounds; the later rows replace the earlier ones from that round on
         while rows and rows[-1]["round"] >= rnd:

@@ -130,6 +130,31 @@ def write_rows(path: Path, rows: list[dict], append: bool = False) -> None:
             fh.write(json.dumps(row) + "\n")
 
 
+def read_rows(path: Path) -> list[dict]:
+    """The JSON objects of a ``.jsonl`` file, one per line ([] when there is no file). A last
+    line cut short (no newline: a row being written, or a process killed while writing it)
+    is left out; any other line that is not a JSON object is a one-line error naming it."""
+    try:
+        text = path.read_text() if path.is_file() else ""
+    except (OSError, UnicodeDecodeError) as err:
+        raise GossipError(f"cannot read {path}: {getattr(err, 'strerror', None) or err}") from None
+    lines = text.split("\n")  # the last piece is "" when the file ends with a newline
+    rows = []
+    for lineno, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            if lineno == len(lines):  # cut short
+                break
+            raise GossipError(f"{path}, line {lineno}: not valid JSON ({err.msg})") from None
+        if not isinstance(row, dict):
+            raise GossipError(f"{path}, line {lineno}: expected a JSON object")
+        rows.append(row)
+    return rows
+
+
 def dump_yaml(data: dict) -> str:
     import yaml
 

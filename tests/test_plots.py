@@ -269,8 +269,9 @@ def test_error_empty_metrics(tmp_path, capsys):
 
 @pytest.mark.parametrize(
     ("bad", "why"),
-    [("{not json\n", "not valid JSON"), ("[1, 2]\n", "JSON object"), ('{"x": 1}\n', "'round'")],
-)
+    [("{not json\n", "line 2: not valid JSON"), ("[1, 2]\n", "line 2: expected a JSON object"),
+     ('{"x": 1}\n', "row 2: missing or non-integer 'round'")],
+)  # fmt: skip
 def test_error_malformed_metrics_line(tmp_path, capsys, bad, why):
     run = write_run(tmp_path, "r", "fedavg")
     metrics = run / "metrics.jsonl"
@@ -278,8 +279,21 @@ def test_error_malformed_metrics_line(tmp_path, capsys, bad, why):
     metrics.write_text(lines[0] + bad + "".join(lines[1:]))
     assert main(["plot", str(run), "--out", str(tmp_path / "o")]) == 2
     err = _one_error_line(capsys)
-    assert f"{metrics}, line 2:" in err and why in err
+    assert f"{metrics}, {why}" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_row_being_written_is_left_out(tmp_path, capsys):
+    """A run still going (or killed mid-write) can end in a cut-short row: the plot is made
+    of the rows before it (that line used to stop the plot as not valid JSON)."""
+    run = write_run(tmp_path, "r", "fedavg")
+    metrics = run / "metrics.jsonl"
+    whole = metrics.read_text()
+    metrics.write_text(whole + whole.splitlines()[-1][:25])
+    assert main(["plot", str(run), "--out", str(tmp_path / "o")]) == 0
+    assert [r["round"] for r in plots.load_run(run).rows] == [
+        json.loads(x)["round"] for x in whole.splitlines()
+    ]
 
 
 def test_error_malformed_summary(tmp_path, capsys):

@@ -81,6 +81,18 @@ def test_peer_processes_equal_one_process(tmp_path):
     merged = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["round"] for r in merged] == [3, 6]
 
+    def strict(text):  # JSON proper: no NaN (a peer's rows held a NaN consensus distance)
+        return json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} in {text[:60]}"))
+
+    for f in (tmp_path / "run" / "peers").glob("*/metrics.jsonl"):
+        [strict(line) for line in f.read_text().splitlines()]
+    # a process killed while writing a row leaves it cut short: merge leaves that row out
+    rows = tmp_path / "run" / "peers" / "1" / "metrics.jsonl"
+    rows.write_text(rows.read_text() + '{"round": 9, "pe')
+    assert main(["merge", str(tmp_path / "run")]) == 0
+    again = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [strict(x) for x in again] == merged
+
 
 def _threads(n: int, fn, *args) -> dict:
     out: dict = {}
