@@ -88,6 +88,7 @@ def test_from_adjacency():
         (np.array([[0, -1], [-1, 0]]), "negative entry at (0, 1)"),
         (np.zeros((4, 4)), "graph is disconnected (4 components)"),
         (np.kron(np.eye(2), np.ones((2, 2))), "graph is disconnected (2 components)"),
+        (np.array([["a", "b"], ["c", "d"]]), "adjacency matrix must be numeric"),  # a traceback
     ],
 )
 def test_from_adjacency_errors(a, words):
@@ -124,6 +125,9 @@ def test_load_graph_errors(tmp_path):
     bad.write_text("0 1\n1 x\n")
     with pytest.raises(TopologyError, match="bad.txt: line 2: expected 'u v'"):
         g.load_graph(bad)
+    np.save(tmp_path / "names.npy", np.array([["a", "b"], ["c", "d"]]))
+    with pytest.raises(TopologyError, match="names.npy: adjacency matrix must be numeric"):
+        g.load_graph(tmp_path / "names.npy")
     split = tmp_path / "split.txt"
     split.write_text("0 1\n2 3\n")
     with pytest.raises(TopologyError, match=r"split.txt: graph is disconnected \(2 components\)"):

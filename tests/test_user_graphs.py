@@ -183,6 +183,12 @@ def test_relative_paths_are_read_from_the_spec_files_folder(tmp_path, monkeypatc
     assert load_schedule(from_file).period == 2
 
 
+def test_npz_of_strings_is_one_line_error(tmp_path):
+    np.savez(tmp_path / "w.npz", W=np.array([[["a", "b"], ["c", "d"]]]))
+    with pytest.raises(TopologyError, match=r"w.npz: not a readable .npz file \(could not"):
+        load_npz(tmp_path / "w.npz")
+
+
 def test_npz_keeps_labels(tmp_path):
     s = schedule_from_spec({"graph": nx.les_miserables_graph()})
     save_npz(s, tmp_path / "w.npz", rounds=1)

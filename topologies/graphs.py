@@ -387,7 +387,10 @@ def from_adjacency(adjacency, *, directed: bool | None = None) -> nx.Graph:
     >>> sorted(from_adjacency(a).edges())
     [(0, 1), (0, 2)]
     """
-    a = np.asarray(adjacency, dtype=float)
+    try:
+        a = np.asarray(adjacency, dtype=float)
+    except (TypeError, ValueError) as e:  # strings, objects
+        raise TopologyError(f"adjacency matrix must be numeric ({e})") from None
     if a.ndim != 2 or a.shape[0] != a.shape[1]:
         raise TopologyError(f"adjacency matrix must be square, got shape {a.shape}")
     if not np.isfinite(a).all():
