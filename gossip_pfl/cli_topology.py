@@ -114,7 +114,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "export",
         help="write W_0 .. W_{R-1} to an .npz file",
         description="Write the effective mixing matrices of rounds 0 .. R-1 of a schedule to an "
-        ".npz file (arrays W_0, W_1, ...), e.g. to analyse them elsewhere.",
+        ".npz file (one array W of shape (R, n, n), and the nodes' labels when the graph names "
+        "them), e.g. to analyse them elsewhere.",
     )
     e.add_argument(
         "spec",
@@ -361,6 +362,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     schedule = load(args.spec)
     out = Path(args.output)
+    if out.suffix != ".npz":  # NumPy adds it: say the name that is written
+        out = out.with_name(out.name + ".npz")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         save_npz(schedule, out, rounds=args.rounds)

@@ -246,3 +246,10 @@ def test_export(tmp_path, capsys, spec_module):
         W = z["W"]
     assert W.shape == (3, 16, 16)
     np.testing.assert_allclose(W[0], ring_matrix(16))
+
+
+def test_export_names_the_file_it_writes(tmp_path, capsys):
+    """NumPy appends .npz to a name without it; the message used to name the other file."""
+    assert main(["topology", "export", RING, "--rounds", "2", "-o", str(tmp_path / "W")]) == 0
+    assert f"wrote {tmp_path / 'W.npz'}:" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["W.npz"]
