@@ -238,6 +238,9 @@ def cmd_consensus(args: argparse.Namespace) -> int:
 
 def _study(name: str, source: str, schedule: MixingSchedule, args) -> tuple[dict, Any]:
     """One table row and the consensus run of one schedule."""
+    if schedule.n < 2:  # its values agree from the start: there is no error to divide by
+        raise TopologyError(f"{source}: n = {schedule.n}: a single node is always in "
+                            "consensus, nothing to measure (give n >= 2)")  # fmt: skip
     tau = _tau(name, schedule, args.horizon)  # first: a disconnected schedule fails fast
     res = consensus_run(schedule, args.rounds, dim=DIM, seed=args.seed)
     row = {

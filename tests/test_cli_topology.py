@@ -139,6 +139,13 @@ def test_consensus_not_connected_within_horizon(tmp_path, capsys, fake_load):
     assert "(no tau <= 1)" in one_error_line(capsys)
 
 
+def test_consensus_of_one_node_names_the_spec(tmp_path, capsys, spec_module):
+    one = tmp_path / "one.yaml"
+    one.write_text("n: 1\ngraph: complete\n")
+    assert main(["consensus", str(one), RING, "--out", str(tmp_path)]) == 2
+    assert f"{one}: n = 1: a single node is always in consensus" in one_error_line(capsys)
+
+
 def test_consensus_missing_file(tmp_path, capsys, spec_module):
     assert main(["consensus", str(tmp_path / "nope.yaml"), "--out", str(tmp_path)]) == 2
     assert "nope.yaml" in one_error_line(capsys)
