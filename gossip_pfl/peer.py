@@ -65,8 +65,11 @@ class PeerTrainer(Trainer):
         return super().sample(t)
 
     def _log_mix(self, state: torch.Tensor, out: torch.Tensor, lost: set) -> None:
-        before = state[:, self.probe].double().sum(0)
-        change = out[:, self.probe].double().sum(0) - before
+        # the peers' rows only: an aggregating hub (rows past them) is no peer, and its
+        # model appearing in the up phase is no drift of the peers' average
+        L = len(self.peers)
+        before = state[:L, self.probe].double().sum(0)
+        change = out[:L, self.probe].double().sum(0) - before
         entry = {**self.comm.last_links, "before": before.tolist(), "change": change.tolist()}
         self.links.write(json.dumps(entry) + "\n")
 

@@ -352,3 +352,17 @@ def test_bad_kill_schedules_stop_before_any_process_starts(tmp_path, capsys, kil
     assert code == 2 and len(err.splitlines()) == 1, err
     assert re.search(message, err), err
     assert not (tmp_path / "run" / "logs").exists() and time.monotonic() - start < 5
+
+
+def test_a_server_schedule_keeps_the_peers_average(tmp_path, capsys):
+    """FedAvg's two phases through an aggregating hub, one process (in this one): the hub's
+    own row is no peer, so its model appearing in the up phase is no drift (it read 0.026)."""
+    cfg = _config(tmp_path)
+    peers = tmp_path / "peers.yaml"
+    peers.write_text(yaml.safe_dump(_ports(1)))
+    args = ["--peers", str(peers), "--id", "0", "--quiet", "--set", "schedule={graph: server}"]
+    assert main(["peer", str(cfg), *args]) == 0
+    assert main(["merge", str(tmp_path / "run")]) == 0
+    links = json.loads((tmp_path / "run" / "summary.json").read_text())["links"]
+    assert links["exchanges"] == 2 * CONFIG["rounds"]  # up and down phases
+    assert links["drift_total"] < 1e-6 and links["drift_max_step"] < 1e-6, links
