@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -381,9 +382,13 @@ def _final_consensus(folders: list[Path], last: dict) -> dict:
     for f in folders:
         try:
             state = checkpoint.load(f)
-        except GossipError:
+        except GossipError as err:
+            warnings.warn(f"merge: no consensus distance ({err})", stacklevel=2)
             return {}
-        if state["rounds_done"] != last["round"]:
+        if state["rounds_done"] != last["round"]:  # e.g. a process killed for good
+            warnings.warn(f"merge: no consensus distance (process {f.name}'s checkpoint is of "
+                          f"round {state['rounds_done']}, the run's last is {last['round']})",
+                          stacklevel=2)  # fmt: skip
             return {}
         states.append(state)
     shared = sum(s["shared"].double() for s in states)  # rows of other processes are zeros

@@ -366,3 +366,10 @@ def test_a_server_schedule_keeps_the_peers_average(tmp_path, capsys):
     links = json.loads((tmp_path / "run" / "summary.json").read_text())["links"]
     assert links["exchanges"] == 2 * CONFIG["rounds"]  # up and down phases
     assert links["drift_total"] < 1e-6 and links["drift_max_step"] < 1e-6, links
+    # a checkpoint merge cannot read: the summary has no consensus distance, and says why
+    assert "consensus_distance" in json.loads((tmp_path / "run" / "summary.json").read_text())
+    (tmp_path / "run" / "peers" / "0" / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    capsys.readouterr()
+    assert main(["merge", str(tmp_path / "run")]) == 0
+    assert "gossip-pfl: warning: merge: no consensus distance (" in capsys.readouterr().err
+    assert "consensus_distance" not in json.loads((tmp_path / "run" / "summary.json").read_text())
