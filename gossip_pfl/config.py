@@ -362,6 +362,8 @@ def validate(cfg: RunConfig) -> None:
     a, r, ls = cfg.algorithm, cfg.rule, cfg.line_search
     checks = [
         (cfg.rounds >= 1, "rounds", "must be >= 1"),
+        # torch's seeds are 64-bit: seed * 1009 + m (a component's init) must fit
+        (0 <= cfg.seed < 2**48, "seed", "must be in [0, 2**48)"),
         (a.components >= 1, "algorithm.components", "must be >= 1 (M, the number of components)"),
         (a.lr > 0, "algorithm.lr", "must be > 0"),
         (a.weight_decay >= 0, "algorithm.weight_decay", "must be >= 0"),

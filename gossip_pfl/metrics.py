@@ -12,13 +12,15 @@ def score_entries(train: tuple, test: tuple) -> dict:
     the training and test splits: training figures weighted by samples, test ones a mean
     over peers (and weighted, and the 10th percentile)."""
     (tr_loss, tr_acc, tr_n), (te_loss, te_acc, te_n) = train, test
+    has = te_n > 0  # a peer without test samples has no accuracy (it is not 0)
+    has = has if has.any() else np.ones_like(has)
     return {
         "train_loss": _weighted(tr_loss, tr_n),
         "train_accuracy": _weighted(tr_acc, tr_n),
-        "test_loss": float(np.mean(te_loss)),
-        "test_accuracy": float(np.mean(te_acc)),
+        "test_loss": float(np.mean(te_loss[has])),
+        "test_accuracy": float(np.mean(te_acc[has])),
         "test_accuracy_weighted": _weighted(te_acc, te_n),
-        "test_accuracy_p10": float(np.percentile(te_acc, 10)),
+        "test_accuracy_p10": float(np.percentile(te_acc[has], 10)),
     }
 
 

@@ -142,6 +142,9 @@ class Trainer(RoundLoop):
         self.train_ids, self.unseen_ids = client_ids(dataset)
         n = len(self.train_ids)
         sizes = np.array([len(dataset.clients[i].y_train) for i in self.train_ids])
+        if not sum(dataset.clients[i].size("test") for i in self.train_ids):
+            raise GossipError(f"dataset '{dataset.name}': no test samples (data.n_test, or the "
+                              "test share of data.split): nothing to evaluate")  # fmt: skip
         self.n_peers = n
         self.M = 1 if self.spec.single_model else cfg.algorithm.components
         self.schedule: MixingSchedule | None = build_schedule(cfg, n, self.spec)

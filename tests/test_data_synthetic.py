@@ -167,3 +167,27 @@ def test_bad_arguments(bad):
 def test_registry_rejects_unknown_option():
     with pytest.raises(GossipError, match="unknown option 'partition'"):
         load_dataset("synthetic", partition={"kind": "dirichlet"})
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "want"),
+    [
+        # the generator's int() and bool() took these as 8 and True, silently
+        ("n_clients", 8.5, "an integer"),
+        ("clustered", "false", "true or false"),
+        ("n_clients", "abc", "an integer"),  # a traceback before
+        ("n_clients", None, "an integer"),
+        ("n_clients", True, "an integer"),
+        ("alpha", "abc", "a number"),
+    ],
+)
+def test_options_of_the_wrong_type_name_the_option(option, value, want):
+    with pytest.raises(GossipError, match=f"synthetic: option '{option}' must be {want}"):
+        load_dataset("synthetic", **{**SMALL, option: value, "cache": False})
+
+
+def test_options_of_the_right_type_pass():
+    ds = load_dataset("synthetic", **{**SMALL, "alpha": 1, "clustered": False, "cache": False})
+    assert ds.n_clients == SMALL["n_clients"]  # an int where a float is the default is fine
+    with pytest.raises(GossipError, match=r"synthetic: seed must be in \[0, 2\*\*63\), got -1"):
+        load_dataset("synthetic", **{**SMALL, "seed": -1, "cache": False})  # a traceback before

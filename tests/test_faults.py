@@ -142,6 +142,12 @@ BAD = {
         "needs a schedule",
     ),
     "unknown algorithm": (["run", "{cfg}", "--set", "algorithm.name=nope"], "unknown algorithm"),
+    # torch.manual_seed's overflow, a traceback before
+    "huge seed": (["run", "{cfg}", "--set", "seed=100000000000000000"], "'seed' must be in"),
+    # the generator's int() took it as 8, silently
+    "data option type": (["run", "{cfg}", "--set", "data.n_clients=8.5"], "'n_clients' must be"),
+    # every accuracy read 0.0
+    "no test samples": (["run", "{cfg}", "--set", "data.n_test=0"], "no test samples"),
 }
 
 

@@ -246,3 +246,17 @@ def test_mixture_usage_in_metrics(tmp_path):
     assert summary["mixture_weights"] == row["mixture_weights"]
     fedavg = Trainer(cfg_for(tmp_path / "avg", "fedavg", components=1), toy_dataset(6), log=quiet)
     assert "mixture_weights" not in fedavg.run()
+
+
+def test_a_peer_without_test_samples_has_no_test_accuracy():
+    """Test figures are means over the peers that have test samples: one without (a small
+    client under data.split) counted as 0% before, dragging the mean and the decile down."""
+    from gossip_pfl.metrics import score_entries
+
+    train = (np.array([0.5, 0.7, 0.6]), np.array([0.8, 0.6, 0.7]), np.array([10, 20, 30]))
+    test = (np.array([0.4, 9.9, 0.6]), np.array([0.9, 0.0, 0.7]), np.array([5, 0, 15]))
+    got = score_entries(train, test)
+    assert got["test_accuracy"] == pytest.approx(0.8) and got["test_loss"] == pytest.approx(0.5)
+    assert got["test_accuracy_p10"] == pytest.approx(np.percentile([0.9, 0.7], 10))
+    assert got["test_accuracy_weighted"] == pytest.approx((0.9 * 5 + 0.7 * 15) / 20)
+    assert got["train_accuracy"] == pytest.approx((8 + 12 + 21) / 60)

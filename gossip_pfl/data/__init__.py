@@ -72,7 +72,27 @@ def _options(dataset: str, defaults: dict[str, Any], given: dict[str, Any]) -> d
         raise GossipError(
             f"{dataset}: unknown option {unknown[0]!r}; known: {', '.join(sorted(defaults))}"
         )
+    for key, value in given.items():  # the default's type (a loader's int() or bool() would
+        want = _kind(defaults[key])  # take 8.5 as 8 and "false" as True)
+        if want and not _is_kind(value, want):
+            raise GossipError(f"{dataset}: option {key!r} must be {want} (got {value!r})")
     return {**defaults, **given}
+
+
+#: an option's type, from its default's (bool before int: True is an int to Python)
+_KINDS = [("true or false", bool), ("an integer", int), ("a number", (int, float)),
+          ("a string", str), ("a mapping", dict), ("a list", (list, tuple))]  # fmt: skip
+
+
+def _kind(default: Any) -> str | None:
+    """The type an option must have, from its default (None: not checked here)."""
+    return next((kind for kind, types in _KINDS if isinstance(default, types)), None)
+
+
+def _is_kind(value: Any, kind: str) -> bool:
+    if isinstance(value, bool) != (kind == "true or false"):  # YAML's true is no integer
+        return False
+    return isinstance(value, dict(_KINDS)[kind])
 
 
 def _partition_spec(dataset: str, spec: dict[str, Any]) -> tuple[str, dict[str, Any]]:

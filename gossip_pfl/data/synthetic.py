@@ -124,6 +124,8 @@ def _validate(a: dict) -> None:
             raise GossipError(f"synthetic: {key} must be >= 1, got {a[key]}")
     if a["n_test"] < 0:
         raise GossipError(f"synthetic: n_test must be >= 0, got {a['n_test']}")
+    if not 0 <= a["seed"] < 2**63:  # NumPy's seeds are non-negative
+        raise GossipError(f"synthetic: seed must be in [0, 2**63), got {a['seed']}")
     if a["alpha"] <= 0:
         raise GossipError(f"synthetic: alpha must be > 0, got {a['alpha']}")
     if a["noise_std"] < 0:
