@@ -47,7 +47,7 @@ class AlgorithmConfig:
     batch_size: int = 128
     local_epochs: int = 1
     local_steps: int | None = None  #: fixed steps per round instead of epochs
-    lr_decay: list = field(default_factory=list)  #: fractions of the run where lr *= 0.1
+    lr_decay: list[float] = field(default_factory=list)  #: fractions of the run where lr *= 0.1
     mu: float = 0.0  #: FedProx proximal weight; pFedMe's lambda (0: its default 15)
     inner_steps: int = 5  #: pFedMe's steps on the prox problem
     personal_lr: float | None = None  #: pFedMe / APFL personal step size (default: lr)
@@ -244,6 +244,9 @@ def _check_type(value: Any, hint: Any, path: str) -> Any:
     if dataclasses.is_dataclass(hint):
         return from_dict(hint, value, path)
     expected = origin or hint
+    if expected is list and typing.get_args(hint) and isinstance(value, list):  # list[float]
+        (item,) = typing.get_args(hint)
+        return [_check_type(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if expected is float and isinstance(value, str):
@@ -382,7 +385,9 @@ def validate(cfg: RunConfig) -> None:
         (0 <= a.q_smoothing <= 1, "algorithm.q_smoothing", "must be in [0, 1]"),
         (all(0 < f < 1 for f in a.lr_decay), "algorithm.lr_decay", "fractions must be in (0, 1)"),
         (cfg.eval.every >= 1, "eval.every", "must be >= 1"),
-        (cfg.eval.unseen_em in ("converge", "one_step"), "eval.unseen_em", "converge|one_step"),
+        (cfg.eval.unseen_em in ("converge", "one_step"), "eval.unseen_em",
+         "must be converge|one_step"),
+        (a.inner_steps >= 1, "algorithm.inner_steps", "must be >= 1 (pFedMe's prox steps)"),
         (cfg.runtime.metrics_every >= 1, "runtime.metrics_every", "must be >= 1"),
         (cfg.runtime.step_chunk >= 0, "runtime.step_chunk", "must be >= 0 (0: automatic)"),
         (cfg.runtime.threads >= 0, "runtime.threads", "must be >= 0 (0: automatic)"),

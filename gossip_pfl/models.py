@@ -3,6 +3,7 @@ so nothing here knows about peers, ranks or devices."""
 
 from __future__ import annotations
 
+import inspect
 import math
 
 import torch
@@ -292,7 +293,24 @@ def build_model(name: str, input_shape: tuple[int, ...], num_outputs: int, **opt
         raise GossipError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
     if name == "cnn" and len(input_shape) != 3:
         raise GossipError(f"model 'cnn' needs image inputs (C, H, W), the data has {input_shape}")
+    if name != "mobilenet_v2":  # our models' options are widths and counts
+        _check_sizes(name, MODELS[name], options)
     try:
         return MODELS[name](tuple(input_shape), num_outputs, **options)
     except TypeError as err:
         raise GossipError(f"model {name!r}: bad option ({err})") from None
+
+
+def _check_sizes(name: str, model, options: dict) -> None:
+    """Each option a positive int, or a list of them where its default is a tuple (torch's
+    own messages for a width of -3 or "abc" name no option)."""
+    params = inspect.signature(model).parameters
+    for key, value in options.items():
+        if key not in params:
+            continue  # the constructor names it
+        many = isinstance(params[key].default, tuple)
+        items = value if many else [value]
+        sizes = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in items)
+        if many != isinstance(value, (list, tuple)) or not sizes:
+            what = "a list of positive integers" if many else "a positive integer"
+            raise GossipError(f"model {name!r}: option {key!r} must be {what}, got {value!r}")

@@ -87,7 +87,8 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
     if not isinstance(sched, dict):
         raise GossipError(f"config key 'schedule' must be a mapping or a file path, got {sched!r}")
     sched = dict(sched)
-    if "participation" in (sched.get("graph_args") or {}):
+    args = sched.get("graph_args") or {}
+    if isinstance(args, dict) and "participation" in args:  # not a mapping: the spec says so
         raise GossipError(
             "schedule.graph_args.participation samples inside the schedule; in a run, clients "
             "per round are the top-level key 'participation' (drop it from the schedule)"

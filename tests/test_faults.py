@@ -148,6 +148,26 @@ BAD = {
     "data option type": (["run", "{cfg}", "--set", "data.n_clients=8.5"], "'n_clients' must be"),
     # every accuracy read 0.0
     "no test samples": (["run", "{cfg}", "--set", "data.n_test=0"], "no test samples"),
+    # the next four were tracebacks
+    "lr_decay item": (["run", "{cfg}", "--set", "algorithm.lr_decay=[abc]"], "lr_decay[0]' must"),
+    "pfedme no steps": (["run", "{cfg}", "--set", "algorithm.inner_steps=0"], "inner_steps"),
+    "graph_args": (
+        [
+            "run",
+            "{cfg}",
+            "--set",
+            "algorithm.name=dsgd",
+            "--set",
+            "schedule.graph=ring",
+            "--set",
+            "schedule.graph_args=5",
+        ],
+        "graph_args: must be a mapping",
+    ),
+    "model width": (
+        ["run", "{cfg}", "--set", "model.name=mlp", "--set", "model.hidden=[-3]"],
+        "'hidden' must",
+    ),
 }
 
 

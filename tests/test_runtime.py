@@ -346,6 +346,27 @@ def test_batched_forward_equals_loop():
 
 
 @pytest.mark.parametrize(
+    "name, options, words",
+    [
+        ("mlp", {"hidden": [-3]}, "option 'hidden' must be a list of positive integers"),
+        ("mlp", {"hidden": "abc"}, "option 'hidden' must be a list of positive integers"),
+        ("mlp", {"hidden": 5}, "option 'hidden' must be a list of positive integers"),
+        ("cnn", {"hidden": 0}, "option 'hidden' must be a positive integer"),
+        ("cnn", {"channels": [4, True]}, "option 'channels' must be a list"),
+        ("lstm", {"layers": 1.5}, "option 'layers' must be a positive integer"),
+        ("mlp", {"width": 3}, "bad option"),
+    ],
+)
+def test_bad_model_options_name_the_option(name, options, words):
+    """torch's own messages for these ("negative dimension -3") named no option."""
+    from gossip_pfl.models import build_model
+
+    shape = (1, 28, 28) if name == "cnn" else (12,)
+    with pytest.raises(GossipError, match=f"model '{name}': {words}"):
+        build_model(name, shape, 4, **options)
+
+
+@pytest.mark.parametrize(
     "name, shape, options",
     [
         ("linear", (3, 4), {}),
