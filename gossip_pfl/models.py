@@ -308,9 +308,9 @@ def _check_sizes(name: str, model, options: dict) -> None:
     for key, value in options.items():
         if key not in params:
             continue  # the constructor names it
-        many = isinstance(params[key].default, tuple)
-        items = value if many else [value]
+        many, listed = isinstance(params[key].default, tuple), isinstance(value, (list, tuple))
+        items = value if listed else [value]
         sizes = all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in items)
-        if many != isinstance(value, (list, tuple)) or not sizes:
+        if many != listed or not sizes:
             what = "a list of positive integers" if many else "a positive integer"
             raise GossipError(f"model {name!r}: option {key!r} must be {what}, got {value!r}")
