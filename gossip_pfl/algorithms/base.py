@@ -60,14 +60,16 @@ class Surrogate(Protocol):
 
 
 def weighted_loss(ctx: Context, theta: torch.Tensor, x, y, sw, batch_size: int) -> torch.Tensor:
-    """(sum_b sw_b * loss_b) / |batch| per peer, summed over components: (A,)."""
+    """(sum_b sw_b * loss_b) / batch_size per peer, summed over components: (A,). A short
+    batch is divided by batch_size too (the released FedEM code divides it by its length:
+    docs/algorithms.md, "Loss and participation")."""
     per = sample_loss(ctx.forward(theta, x), y, ctx.task)  # (A, M, B)
     return (per * sw).sum((1, 2)) / batch_size
 
 
 def weighted_loss_grad(ctx: Context, theta: torch.Tensor, x, y, sw, batch_size: int):
-    """Gradient of (sum_b sw_b * loss_b) / |batch| per peer and component (the released FedEM
-    code's normalization), by autograd through the batched forward, and that loss per peer
+    """Gradient of (sum_b sw_b * loss_b) / batch_size per peer and component (as
+    :func:`weighted_loss`), by autograd through the batched forward, and that loss per peer
     (A,).
 
     Peers are independent, so the step may run in pieces of the peer axis (``ctx.peer_pieces``):

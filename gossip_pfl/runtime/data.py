@@ -374,6 +374,9 @@ def round_batches(
     which other peers share its rank.
     """
     counts = np.asarray(counts, dtype=np.int64)
+    # no batch holds more than the largest peer's samples: a wider B is only padding (the
+    # same plan, and B = 10**7 made every step that wide); the loss still divides by B
+    batch_size = min(batch_size, max(1, int(counts.max(initial=1))))
     per_epoch = -(-counts // batch_size)  # ceil(n_i / B)
     n_steps = steps if steps is not None else epochs * int(per_epoch.max(initial=0))
     # (L, S*B): each peer's plan is one contiguous row, filled with a few array operations
