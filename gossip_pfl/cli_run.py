@@ -7,6 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 from gossip_pfl.config import load_config, read_yaml
+from gossip_pfl.errors import GossipError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -55,6 +56,9 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides) + ([f"out={args.out}"] if args.out else [])
     if args.resume:
+        if args.out and Path(args.out).resolve() != Path(args.resume).resolve():
+            raise GossipError(f"--resume {args.resume} continues the run in its own folder; "
+                              f"drop --out {args.out}")  # fmt: skip
         # the run's own resolved config, unless one is given (then it must match the checkpoint)
         source = args.config or str(Path(args.resume) / "config.yaml")
         cfg = load_config(source, overrides + [f"out={args.resume}"])

@@ -103,6 +103,9 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
     ancestor = out
     while not ancestor.exists():
         ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise GossipError(f"out: {ancestor} is a file, so {out} cannot be a folder; "
+                          "choose another --out")  # fmt: skip
     if not os.access(ancestor, os.W_OK | os.X_OK):
         raise GossipError(
             f"out: cannot write into {ancestor} (permission denied); choose another --out"

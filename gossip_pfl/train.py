@@ -626,7 +626,7 @@ class Trainer(RoundLoop):
         worst = int(self.comm.all_reduce_sum(flag).item()) if many else first
         if worst:
             raise GossipError(
-                f"round {t}: the parameters of a peer (first: peer "
+                f"round {t + 1}: the parameters of a peer (first: peer "  # rounds count from 1
                 f"{first - 1 if first else '?'} on rank {self.comm.rank}) became NaN/inf; "
                 f"lower algorithm.lr (now {self.cfg.algorithm.lr})"
             )

@@ -104,6 +104,14 @@ def test_output_folder_that_is_a_file(tmp_path, capsys):
     one_line_error(capsys, ["run", str(cfg), "--out", str(tmp_path / "taken"), "--quiet"],
                    "is a file")  # fmt: skip
     assert (tmp_path / "taken").read_text() == "mine"
+    # under a file: it read "permission denied" (as root: nothing at all until the write)
+    one_line_error(capsys, ["run", str(cfg), "--out", str(tmp_path / "taken" / "run")],
+                   "taken is a file, so")  # fmt: skip
+    one_line_error(capsys, ["run", str(tmp_path), "--out", str(tmp_path / "r")],
+                   f"config file {tmp_path} is a folder, not a file")  # fmt: skip
+    # --resume continues in its own folder: --out went unheeded
+    one_line_error(capsys, ["run", "--resume", str(tmp_path), "--out", str(tmp_path / "r")],
+                   "continues the run in its own folder; drop --out")  # fmt: skip
 
 
 def test_another_runs_folder_is_kept_unless_overwrite(tmp_path, capsys):
@@ -179,6 +187,13 @@ def test_bad_values_are_one_line_errors_before_any_output(case, tmp_path, capsys
     args = [a.format(bin=tmp_path / "bin.yaml", cfg=cfg) for a in args]
     one_line_error(capsys, [*args, "--out", str(tmp_path / "out"), "--quiet"], pattern)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_diverged_run_names_its_round_counted_from_1(tmp_path, capsys):
+    """As metrics.jsonl and the progress lines count (it said round 0)."""
+    args = ["run", str(write_cfg(tmp_path)), "--out", str(tmp_path / "o"), "--quiet",
+            "--set", "model.name=mlp", "--set", "algorithm.lr=1e30"]  # fmt: skip
+    one_line_error(capsys, args, "round 1: the parameters of a peer (first: peer ")
 
 
 # ---- signals ----------------------------------------------------------------------------------

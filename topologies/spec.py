@@ -417,6 +417,8 @@ def read_mapping(path: str | Path, what: str = "file") -> dict:
     topologies._base.TopologyError: ...s.yaml line 1: malformed YAML (...)
     """
     p = Path(path)
+    if p.is_dir():
+        raise TopologyError(f"{what} {p} is a folder, not a file")
     if not p.is_file():
         raise TopologyError(f"{what} not found: {p}")
     try:
