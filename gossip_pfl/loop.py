@@ -73,7 +73,11 @@ class RoundLoop:
                 f"{where}: the checkpoint was made with a different config "
                 f"(keys differ: {', '.join(diffs)})"
             )
-        if state["rounds_done"] >= self.cfg.rounds:
+        done = state["rounds_done"]
+        if done > self.cfg.rounds:
+            raise GossipError(f"{where}: the checkpoint is of round {done}, past rounds = "
+                              f"{self.cfg.rounds} (set rounds above {done} to go on)")  # fmt: skip
+        if done == self.cfg.rounds:
             raise GossipError(
                 f"{where}: the run already finished its {self.cfg.rounds} rounds "
                 "(raise 'rounds' with --set rounds=N to go on)"

@@ -99,3 +99,12 @@ def test_resume_with_other_config_names_keys(tmp_path):
 def test_resume_without_checkpoint(tmp_path):
     with pytest.raises(GossipError, match="no checkpoint.pt"):
         Trainer(cfg_for(tmp_path), dataset=toy_dataset(8), log=lambda *a: None).run(resume=True)
+
+
+def test_resume_of_a_finished_run_says_where_its_checkpoint_is(tmp_path):
+    run_until(cfg_for(tmp_path), None)  # all 6 rounds, the last checkpointed
+    with pytest.raises(GossipError, match=r"already finished its 6 rounds \(raise 'rounds'"):
+        resume(cfg_for(tmp_path))
+    # fewer rounds than the checkpoint's: it read "already finished its 4 rounds"
+    with pytest.raises(GossipError, match=r"checkpoint is of round 6, past rounds = 4 \(set"):
+        resume(cfg_for(tmp_path, rounds=4))
