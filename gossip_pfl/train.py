@@ -66,10 +66,17 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
         if sched is None or (spec.topology == "server" and sched == {"graph": "server"}):
             return None
         what = "the server schedule (a hub)" if spec.topology == "server" else "no schedule"
+        from gossip_pfl.algorithms import ALGORITHMS
+
+        gossip = [k for k, a in ALGORITHMS.items()
+                  if a.workload == spec.workload and a.topology == "given"]  # fmt: skip
+        em = spec.workload == "expfam"
+        rule = "" if em else " (rule.name picks the gossip rule)"
         raise GossipError(
             f"algorithm '{cfg.algorithm.name}' runs on {what} but 'schedule' is set to "
-            f"{sched!r}: drop 'schedule', or for gossip choose algorithm.name dsgd or dfedem "
-            "(rule.name picks the gossip rule); clients per round are set by 'participation'"
+            f"{sched!r}: drop 'schedule', or for gossip choose algorithm.name "
+            f"{' or '.join(gossip)}{rule}; clients per round are set by "
+            f"{'expfam.p' if em else 'participation'}"
         )
     from topologies.spec import schedule_from_spec
 

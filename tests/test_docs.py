@@ -170,7 +170,11 @@ def small_run_args(args: list[str]) -> list[str]:
     )
     extra = {"rounds": "2", "eval.every": "2", "eval.unseen_em": "one_step"}
     data = cfg.data.options
-    if cfg.data.name == "synthetic":
+    from gossip_pfl.algorithms import get_algorithm
+
+    if get_algorithm(cfg.algorithm.name).workload == "expfam":  # its data is expfam.*
+        pass
+    elif cfg.data.name == "synthetic":
         extra["data.n_test"] = "20"
         if data.get("n_clients", 300) > 100 and "data.n_clients" not in sets:
             extra["data.n_clients"] = "40"

@@ -172,8 +172,14 @@ def test_cli_run_prints_em_results(tmp_path, capsys):
         ("expfam.components=0", "expfam.components"),
         ("expfam.rank=10", "expfam.rank"),
         ("expfam.missing=0.95", "expfam.missing"),  # d = 2: most rows have nothing observed
+        # keys of the model workloads went unheeded
+        ("data.n_clients=3", "data.n_clients=3 are for model workloads"),
+        ("model.name=mlp", "model.name='mlp' are for model workloads"),
+        # the advice named the model workload's gossip algorithms
+        ("schedule.graph=ring", "gossip_fedem_em or gossip_vr_fedem; clients per round are set "
+                                "by expfam.p"),
     ],
-)
+)  # fmt: skip
 def test_bad_input_is_a_one_line_error_naming_the_key(override, key, tmp_path, capsys):
     args = ["run", _config_file(tmp_path), "--out", str(tmp_path / "run"), "--set",
             "expfam.clients=3", "--set", "expfam.samples=10", "--set", override]  # fmt: skip
