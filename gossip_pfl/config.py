@@ -213,6 +213,7 @@ class RunConfig:
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     schedule: Any = None  #: topology spec (dict) or path to a schedule YAML; None: by algorithm
     #: refuse a gossip schedule that never connects the peers or is not doubly stochastic
+    #: (its graph must be connected either way)
     check_schedule: bool = True
     rule: RuleConfig = field(default_factory=RuleConfig)
     line_search: LineSearchConfig = field(default_factory=LineSearchConfig)

@@ -78,7 +78,7 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
             f"{' or '.join(gossip)}{rule}; clients per round are set by "
             f"{'expfam.p' if em else 'participation'}"
         )
-    from topologies.spec import schedule_from_spec
+    from topologies.spec import KNOWN_KEYS, schedule_from_spec
 
     if sched is None:
         raise GossipError(
@@ -107,7 +107,13 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
         )
     sched["n"] = n
     sched.setdefault("seed", cfg.seed)
-    schedule = schedule_from_spec(sched, base_dir=base_dir)
+    try:
+        schedule = schedule_from_spec(sched, base_dir=base_dir)
+    except TopologyError as err:  # an inline spec's keys are the config's schedule.* keys
+        if base_dir:  # a schedule file: the message names it
+            raise
+        keyed = str(err).split(":")[0] in KNOWN_KEYS
+        raise TopologyError(f"schedule{'.' if keyed else ': '}{err}") from None
     if cfg.check_schedule:  # the checks of `topology describe`, with the figures
         try:
             check_mixing(schedule, horizon=100)

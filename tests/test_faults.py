@@ -172,6 +172,20 @@ BAD = {
         ],
         "graph_args: must be a mapping",
     ),
+    # it read "seed: must be an int", as if the run's seed
+    "schedule seed": (
+        [
+            "run",
+            "{cfg}",
+            "--set",
+            "algorithm.name=dsgd",
+            "--set",
+            "schedule.graph=ring",
+            "--set",
+            "schedule.seed=abc",
+        ],
+        "error: schedule.seed: must be an int",
+    ),
     "model width": (
         ["run", "{cfg}", "--set", "model.name=mlp", "--set", "model.hidden=[-3]"],
         "'hidden' must",
