@@ -60,12 +60,12 @@ def _cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
 
 
 def test_peer_processes_equal_one_process(tmp_path):
-    """D-FedEM on the synthetic data: 4 peer processes (2 peers each), merged, against the
-    same config in one process (torch transport)."""
+    """D-FedEM on the synthetic data: 3 peer processes (3, 3 and 2 peers), merged, against
+    the same config in one process (torch transport)."""
     cfg = _config(tmp_path)
     one = _cli("run", str(cfg), "--out", str(tmp_path / "one"), "--quiet", "--no-plots")
     assert one.returncode == 0, one.stderr
-    p2p = _cli("peers-local", str(cfg), "-n", "4")
+    p2p = _cli("peers-local", str(cfg), "-n", "3")
     assert p2p.returncode == 0, p2p.stderr
     a = json.loads((tmp_path / "one" / "summary.json").read_text())
     b = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -74,7 +74,7 @@ def test_peer_processes_equal_one_process(tmp_path):
     np.testing.assert_allclose(b["client_test_accuracy"], a["client_test_accuracy"], atol=1e-4)
     np.testing.assert_allclose(b["consensus_distance"], a["consensus_distance"], rtol=1e-4)
     np.testing.assert_allclose(b["mixture_weights"], a["mixture_weights"], atol=1e-4)
-    assert b["peers_reporting"] == 8 and b["processes"] == 4
+    assert b["peers_reporting"] == 8 and b["processes"] == 3
     links = b["links"]
     assert links["link_ends_lost"] == 0 and links["disagreements"] == 0
     assert links["drift_total"] < 1e-5  # float32 rounding only
