@@ -133,6 +133,7 @@ def test_output_folder_without_permission(tmp_path, capsys):
 
 
 # ---- values ---------------------------------------------------------------------------------
+RING = ["--set", "algorithm.name=dsgd", "--set", "schedule.graph=ring"]  # a gossip run
 BAD = {
     "binary config": (["run", "{bin}"], "not a text"),
     "set not YAML": (["run", "{cfg}", "--set", "algorithm.lr=[1"], "is not a YAML value"),
@@ -160,30 +161,12 @@ BAD = {
     "lr_decay item": (["run", "{cfg}", "--set", "algorithm.lr_decay=[abc]"], "lr_decay[0]' must"),
     "pfedme no steps": (["run", "{cfg}", "--set", "algorithm.inner_steps=0"], "inner_steps"),
     "graph_args": (
-        [
-            "run",
-            "{cfg}",
-            "--set",
-            "algorithm.name=dsgd",
-            "--set",
-            "schedule.graph=ring",
-            "--set",
-            "schedule.graph_args=5",
-        ],
-        "graph_args: must be a mapping",
+        ["run", "{cfg}", *RING, "--set", "schedule.graph_args=5"],
+        "schedule.graph_args: must be a mapping",
     ),
     # it read "seed: must be an int", as if the run's seed
     "schedule seed": (
-        [
-            "run",
-            "{cfg}",
-            "--set",
-            "algorithm.name=dsgd",
-            "--set",
-            "schedule.graph=ring",
-            "--set",
-            "schedule.seed=abc",
-        ],
+        ["run", "{cfg}", *RING, "--set", "schedule.seed=abc"],
         "error: schedule.seed: must be an int",
     ),
     "model width": (
