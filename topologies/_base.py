@@ -84,6 +84,7 @@ class MixingSchedule(ABC):
 
     def matrix(self, t: int) -> np.ndarray:
         """The effective ``n x n`` mixing matrix of round ``t`` (product of its phases)."""
+        self._check_access(t)
         w = None
         for phase in self.phases(t):
             d = phase.dense()
@@ -93,10 +94,19 @@ class MixingSchedule(ABC):
     def neighbors(self, t: int, i: int) -> tuple[np.ndarray, np.ndarray, float]:
         """Peer ``i``'s in-neighbours ``j != i`` in round ``t``, their weights ``W_t[i, j]`` and
         the self weight ``W_t[i, i]``. Sparse schedules answer in O(degree)."""
+        self._check_access(t, i)
         row = self.matrix(t)[i]
         idx = np.flatnonzero(row)
         idx = idx[idx != i]
         return idx, row[idx], float(row[i])
+
+    def _check_access(self, t, *i) -> None:
+        """A round ``t`` is an int >= 0 and a peer ``i`` (when given) one of 0..n-1 (a negative
+        i read another peer's row through NumPy's indexing; one past n, a made-up peer)."""
+        if not _is_int(t) or t < 0:
+            raise TopologyError(f"round t must be an int >= 0, got {t!r}")
+        if i and not (_is_int(i[0]) and 0 <= i[0] < self.n):
+            raise TopologyError(f"peer i must be in 0..{self.n - 1}, got {i[0]!r}")
 
     def messages(self, t: int) -> int:
         """Vectors sent in round ``t`` (summed over phases)."""
@@ -104,3 +114,7 @@ class MixingSchedule(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(n={self.n}, seed={self.seed})"
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, bool)

@@ -72,6 +72,7 @@ class ExplicitSchedule(MixingSchedule):
         return [self._phases[t % self.period]]
 
     def matrix(self, t: int) -> np.ndarray:
+        self._check_access(t)
         return self._mats[t % self.period].copy()
 
 
@@ -553,13 +554,19 @@ def consensus_run(
     >>> res.errors.round(12).tolist(), res.rounds_to(1e-6), res.messages.tolist()
     ([1.0, 0.0, 0.0], 1, [12, 12])
     """
-    if rounds < 0:
-        raise TopologyError(f"rounds must be >= 0, got {rounds}")
+    if isinstance(rounds, bool) or not isinstance(rounds, (int, np.integer)) or rounds < 0:
+        raise TopologyError(f"rounds must be an int >= 0, got {rounds!r}")
     n = schedule.n
     if x0 is None:
         x = np.random.default_rng(seed).standard_normal((n, dim))
     else:
-        x = np.asarray(x0, dtype=float).reshape(n, -1)
+        try:
+            x = np.asarray(x0, dtype=float)
+        except (TypeError, ValueError):
+            raise TopologyError(f"x0 must be numbers, shape (n,) or (n, dim), got {x0!r}") from None
+        if x.ndim not in (1, 2) or x.shape[0] != n:  # a reshape took (dim, n) or (2n,) too
+            raise TopologyError(f"x0 must have shape (n,) or (n, dim) with n = {n}, got {x.shape}")
+        x = x.reshape(n, -1)
     start = _spread(x)
     if start == 0:
         raise TopologyError("initial values are already in consensus; nothing to measure")

@@ -504,7 +504,14 @@ def load_graph(path: str | Path) -> nx.Graph:
             msg = " ".join(str(e).split()) or type(e).__name__
             raise TopologyError(f"{p}: not a readable {what} file ({msg})") from None
         return _prefixed(p, from_networkx, g, order=list(g.nodes()))
-    return _prefixed(p, _from_edge_lines, p.read_text().splitlines(), p)
+    if suffix == ".npz":  # mixing matrices, not a graph: a spec's graph key reads them
+        raise TopologyError(f"{p}: an .npz holds mixing matrices W, not a graph; name it as a "
+                            "schedule's graph (load_schedule / schedule_from_spec)")  # fmt: skip
+    try:
+        text = p.read_text()
+    except UnicodeDecodeError:
+        raise TopologyError(f"{p}: not a text (UTF-8) edge list") from None
+    return _prefixed(p, _from_edge_lines, text.splitlines(), p)
 
 
 def _prefixed(p: Path, fn, *args, **kwargs):

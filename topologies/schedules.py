@@ -106,6 +106,7 @@ class _RowSchedule(MixingSchedule):
         return [self._rows(t).phase()]
 
     def neighbors(self, t: int, i: int) -> tuple[np.ndarray, np.ndarray, float]:
+        self._check_access(t, i)
         return self._rows(t).row(i)
 
     def __repr__(self) -> str:
@@ -192,9 +193,10 @@ def graph_schedule(
     family: str,
     graph_args: dict | None = None,
     weights: str | None = None,
-    seed: int | None = None,
+    seed: int = 0,
 ) -> StaticSchedule:
-    """Static schedule of a named graph family under a weight rule.
+    """Static schedule of a named graph family under a weight rule; a random family's graph
+    is drawn from ``seed`` (the same graph every time, as a spec's).
 
     ``weights`` defaults to ``uniform`` for the directed ``exponential`` family and
     ``metropolis`` otherwise. ``exponential`` with uniform weights is built directly from its
@@ -215,7 +217,9 @@ def graph_schedule(
     if family == "exponential" and weights == "uniform":
         return StaticSchedule(_exponential_uniform(n, **graph_args), name=label)
     graph = _make_graph(family, n, graph_args, seed)
-    return StaticSchedule.from_graph(graph, weights, name=label)
+    schedule = StaticSchedule.from_graph(graph, weights, name=label)
+    schedule.seed = seed
+    return schedule
 
 
 def _family_label(family: str, n: int, args: dict) -> str:
@@ -229,6 +233,8 @@ def _make_graph(family: str, n: int, args: dict, seed) -> nx.Graph:
         raise TopologyError(f"unknown graph family {family!r}; known: {known}")
     fn = _graphs.GRAPH_FAMILIES[family]
     kwargs = dict(args)
+    if "seed" in kwargs:  # it was overwritten by the seed argument, silently
+        raise TopologyError(f"{family}: the graph's seed is the schedule's seed, not a graph_args")
     if family in RANDOM_FAMILIES:
         kwargs["seed"] = seed
     try:
@@ -295,10 +301,12 @@ class PeriodicSchedule(MixingSchedule):
         return item.phases(local)
 
     def matrix(self, t: int) -> np.ndarray:
+        self._check_access(t)
         item, local = self._item(t)
         return item.matrix(local)
 
     def neighbors(self, t: int, i: int) -> tuple[np.ndarray, np.ndarray, float]:
+        self._check_access(t, i)
         item, local = self._item(t)
         return item.neighbors(local, i)
 
@@ -515,6 +523,7 @@ class LinkFailureSchedule(MixingSchedule):
         ]
 
     def neighbors(self, t: int, i: int) -> tuple[np.ndarray, np.ndarray, float]:
+        self._check_access(t, i)
         lo, hi = self._indptr[i], self._indptr[i + 1]
         cols, vals = self._cols[lo:hi], self._vals[lo:hi]
         fail = _edge_uniform(self.seed, t, np.full(len(cols), i), cols) < self.q
@@ -575,6 +584,7 @@ class OnePeerExponentialSchedule(MixingSchedule):
         ]
 
     def neighbors(self, t: int, i: int) -> tuple[np.ndarray, np.ndarray, float]:
+        self._check_access(t, i)
         if self.n == 1:
             return np.zeros(0, dtype=np.int64), np.zeros(0), 1.0
         return np.array([(i - self.shift(t)) % self.n]), np.array([0.5]), 0.5
@@ -868,6 +878,7 @@ class ServerSchedule(MixingSchedule):
         return [up, down]
 
     def matrix(self, t: int) -> np.ndarray:
+        self._check_access(t)
         s = self.participants(t)
         w = np.eye(self.n)
         w[np.ix_(s, np.arange(self.n))] = 0.0
@@ -875,6 +886,7 @@ class ServerSchedule(MixingSchedule):
         return w
 
     def neighbors(self, t: int, i: int) -> tuple[np.ndarray, np.ndarray, float]:
+        self._check_access(t, i)
         s = self.participants(t)
         pos = np.searchsorted(s, i)
         if pos == len(s) or s[pos] != i:
@@ -890,10 +902,16 @@ class ServerSchedule(MixingSchedule):
 def _sizes(weights, n: int) -> np.ndarray:
     if weights is None:
         return np.full(n, 1.0 / n)
-    p = np.asarray(weights, dtype=float)
+    try:
+        p = np.asarray(weights, dtype=float)
+    except (TypeError, ValueError):
+        raise TopologyError(f"server sizes must be {n} numbers, got {weights!r}") from None
     if p.shape != (n,):
         raise TopologyError(f"server sizes must have n={n} entries, got shape {p.shape}")
     if not np.isfinite(p).all() or (p <= 0).any():
         i = int(np.flatnonzero(~(np.isfinite(p) & (p > 0)))[0])
         raise TopologyError(f"server sizes must be > 0; entry {i} is {p[i]}")
+    with np.errstate(over="ignore"):
+        if not np.isfinite(p.sum()):  # sizes of 1e308 overflow their sum
+            p = p / p.max()
     return p / p.sum()

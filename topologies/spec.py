@@ -193,7 +193,7 @@ def schedule_from_spec(spec: dict, base_dir: str | Path | None = None) -> Mixing
     n = _as_int(spec["n"], "n", 1)
     seed = _as_int(spec.get("seed", 0), "seed", 0)
     weights = spec.get("weights")
-    if weights is not None and weights not in WEIGHT_RULES:
+    if weights is not None and (not isinstance(weights, str) or weights not in WEIGHT_RULES):
         raise TopologyError(f"weights: {_unknown('weight rule', weights, WEIGHT_RULES)}")
     tv = spec.get("time_varying")
     if tv is not None:
@@ -201,7 +201,7 @@ def schedule_from_spec(spec: dict, base_dir: str | Path | None = None) -> Mixing
             raise TopologyError(
                 f"time_varying: must be a mapping with a kind ({', '.join(TIME_VARYING_KINDS)})"
             )
-        if tv["kind"] not in TIME_VARYING_KINDS:
+        if not isinstance(tv["kind"], str) or tv["kind"] not in TIME_VARYING_KINDS:
             raise TopologyError(
                 f"time_varying.kind: {_unknown('kind', tv['kind'], TIME_VARYING_KINDS)}"
             )
@@ -312,8 +312,8 @@ def _from_graph(graph: nx.Graph, label: str, n, weights, seed, tv) -> MixingSche
     """The schedule of a loaded graph (nodes 0 .. n-1; original labels in graph.graph)."""
     if graph.number_of_nodes() != n:
         raise TopologyError(f"graph: {label} has {graph.number_of_nodes()} nodes but n is {n}")
-    family = "exponential" if graph.is_directed() else None
-    weights = _default_weights(family, weights)
+    if weights is None:  # uniform for a directed graph, as for the exponential family
+        weights = "uniform" if graph.is_directed() else "metropolis"
     if weights in SYMMETRIC_RULES and graph.is_directed():
         raise TopologyError(f"weights: {weights!r} needs an undirected graph; {label} is directed")
     if tv is None:

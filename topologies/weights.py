@@ -1,4 +1,5 @@
-"""Weight rules: a connected graph in, a mixing matrix ``W`` with zeros off the edges out.
+"""Weight rules: a graph in (connected, for the optimal :func:`best_constant` and
+:func:`fmmc`), a mixing matrix ``W`` with zeros off the edges out.
 
 The rules for undirected graphs return symmetric, doubly stochastic, non-negative matrices with
 the self weights on the diagonal. :func:`uniform` is the rule for regular directed graphs such as
@@ -48,12 +49,29 @@ def _undirected_edges(g: nx.Graph, rule: str) -> tuple[int, np.ndarray, np.ndarr
         raise TopologyError(f"{rule} needs a networkx graph, got {type(g).__name__}")
     if g.is_directed():
         raise TopologyError(f"{rule} needs an undirected graph; use weights 'uniform' for directed")
-    n = g.number_of_nodes()
-    if set(g.nodes()) != set(range(n)):
-        raise TopologyError(f"{rule} needs nodes 0..n-1; relabel with graphs.from_networkx")
+    n = _check_nodes(g, rule)
+    if g.is_multigraph():  # a repeated edge would count twice in the degrees
+        raise TopologyError(f"{rule} needs a simple graph, got a multigraph; use nx.Graph(g)")
     e = np.array([(u, v) for u, v in g.edges() if u != v], dtype=np.int64).reshape(-1, 2)
     deg = np.bincount(e.ravel(), minlength=n)
     return n, e[:, 0], e[:, 1], deg
+
+
+def _check_nodes(g: nx.Graph, rule: str) -> int:
+    """``n`` of a graph on nodes 0..n-1, n >= 1."""
+    n = g.number_of_nodes()
+    if n == 0:
+        raise TopologyError(f"{rule} needs a graph with nodes, got an empty graph")
+    if set(g.nodes()) != set(range(n)):
+        raise TopologyError(f"{rule} needs nodes 0..n-1; relabel with graphs.from_networkx")
+    return n
+
+
+def _check_connected(g: nx.Graph, rule: str) -> None:
+    """The optimal rules assume one component (their spectral gap is 0 otherwise)."""
+    if not nx.is_connected(g):
+        k = nx.number_connected_components(g)
+        raise TopologyError(f"{rule} needs a connected graph, got {k} components")
 
 
 def _symmetric(n: int, u, v, w, sparse: bool):
@@ -141,6 +159,7 @@ def best_constant(
     0.333...
     """
     n, u, v, deg = _undirected_edges(graph, "best_constant")
+    _check_connected(graph, "best_constant")
     if n == 1:
         return _symmetric(n, u, v, np.zeros(0), sparse)
     lap = np.diag(deg.astype(float))
@@ -171,7 +190,8 @@ def fmmc(
     (p = 0.1). Very sparse graphs converge slowly (highly repeated eigenvalues at the optimum),
     so SCS stops after 2,000 iterations by default, an iteration budget rather than a time
     budget so that the same graph gets the same weights on every run and machine: a 4-regular
-    ``n = 100`` graph then gets rho 0.8093 (5,000 iterations: 0.8085; Metropolis: 0.882) and
+    ``n = 100`` graph (``random_regular(100, 4, seed=1)``) then gets rho 0.8093 (5,000
+    iterations: 0.8085; Metropolis: 0.8785) and
     Zachary's karate club 0.95366 (5,000 iterations: 0.95356). Raise
     ``solver_options["max_iters"]`` for more accuracy. The result is always cleaned up to be
     exactly feasible.
@@ -204,6 +224,7 @@ def fmmc(
            [0.5, 0.5]])
     """
     n, u, v, deg = _undirected_edges(graph, "fmmc")
+    _check_connected(graph, "fmmc")
     if n == 1 or len(u) == 0:
         return _symmetric(n, u, v, np.zeros(len(u)), sparse)
     chosen, options = _fmmc_solver(n, solver, solver_options)
@@ -337,7 +358,7 @@ def uniform(graph: nx.Graph, *, sparse: bool = False) -> np.ndarray | Phase:
     """
     if not isinstance(graph, nx.Graph):
         raise TopologyError(f"uniform needs a networkx graph, got {type(graph).__name__}")
-    n = graph.number_of_nodes()
+    n = _check_nodes(graph, "uniform")
     e = np.array([(a, b) for a, b in graph.edges() if a != b], dtype=np.int64).reshape(-1, 2)
     if not graph.is_directed():
         e = np.concatenate([e, e[:, ::-1]])

@@ -1,0 +1,100 @@
+"""The topologies API on bad arguments: a one-line TopologyError naming the argument, where
+these gave a plausible wrong answer, a raw NumPy / networkx exception, or a different graph
+on every call."""
+
+from __future__ import annotations
+
+import networkx as nx
+import numpy as np
+import pytest
+
+import topologies as T
+from topologies import analysis as A
+from topologies import schedules as S
+
+SCHEDULES = {
+    "static ring": lambda: S.graph_schedule(6, "ring"),
+    "one-peer exponential": lambda: S.OnePeerExponentialSchedule(6),
+    "server": lambda: S.ServerSchedule(6),
+    "explicit": lambda: A.ExplicitSchedule([np.full((6, 6), 1 / 6)]),
+    "link failure": lambda: S.LinkFailureSchedule(T.ring(6), q=0.2),
+}
+
+
+@pytest.mark.parametrize("name", SCHEDULES)
+def test_neighbors_and_matrix_check_the_peer_and_round(name):
+    s = SCHEDULES[name]()
+    # -1 read peer 5's row through NumPy's indexing; 6 a made-up isolated peer
+    for i in (-1, 6, None, 1.0):
+        with pytest.raises(T.TopologyError, match=r"peer i must be in 0\.\.5"):
+            s.neighbors(0, i)
+    with pytest.raises(T.TopologyError, match="round t must be an int >= 0"):
+        s.matrix(-1)
+    idx, w, self_w = s.neighbors(0, 5)  # the last peer is still fine
+    np.testing.assert_allclose(s.matrix(0)[5, idx], w)
+    assert s.matrix(0)[5, 5] == pytest.approx(self_w)
+
+
+def test_consensus_run_takes_x0_of_shape_n_or_n_by_dim_only():
+    s = S.graph_schedule(8, "ring")
+    for bad in (np.arange(16.0), np.ones((4, 8)), np.arange(5.0)):  # reshaped, or a raw error
+        with pytest.raises(T.TopologyError, match="x0 must have shape"):
+            A.consensus_run(s, 3, x0=bad)
+    with pytest.raises(T.TopologyError, match="rounds must be an int >= 0"):
+        A.consensus_run(s, 2.5)
+    a = A.consensus_run(s, 3, x0=np.arange(8.0))
+    b = A.consensus_run(s, 3, x0=np.arange(8.0)[:, None])
+    np.testing.assert_array_equal(a.errors, b.errors)
+
+
+def test_a_random_family_is_the_same_graph_every_call():
+    a, b = (S.graph_schedule(12, "erdos_renyi", {"p": 0.4}) for _ in range(2))
+    np.testing.assert_array_equal(a.matrix(0), b.matrix(0))  # drew from the OS before
+    assert S.graph_schedule(12, "erdos_renyi", {"p": 0.4}, seed=5).seed == 5
+    with pytest.raises(T.TopologyError, match="seed is the schedule's seed"):
+        S.graph_schedule(12, "erdos_renyi", {"p": 0.4, "seed": 3})  # was overwritten, silently
+
+
+def test_weight_rules_check_their_graph():
+    two = nx.Graph([(0, 1), (2, 3)])
+    for rule in (T.best_constant, T.fmmc):  # best_constant gave a permutation here
+        with pytest.raises(T.TopologyError, match="needs a connected graph, got 2 components"):
+            rule(two)
+    np.testing.assert_allclose(T.metropolis(two).sum(0), 1)  # still doubly stochastic
+    for rule in (T.metropolis, T.best_constant, T.uniform):
+        with pytest.raises(T.TopologyError, match="empty graph"):
+            rule(nx.Graph())
+        with pytest.raises(T.TopologyError, match="needs nodes 0..n-1"):
+            rule(nx.cycle_graph(["a", "b", "c"]))
+    with pytest.raises(T.TopologyError, match="needs a simple graph"):  # edges counted twice
+        T.metropolis(nx.MultiGraph([(0, 1), (0, 1), (1, 2)]))
+
+
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ({"n": 4, "graph": "ring", "weights": ["metropolis"]}, "weights: unknown weight rule"),
+        ({"n": 4, "graph": "ring", "time_varying": {"kind": ["random"]}}, "unknown kind"),
+        ({"n": 4, "graph": "server", "graph_args": {"sizes": "abc"}}, "sizes must be 4 numbers"),
+        ({"graph": nx.DiGraph([(0, 1), (1, 2), (2, 0)]), "weights": "metropolis"},
+         "DiGraph (n=3) is directed"),  # it named the exponential family
+    ],
+)  # fmt: skip
+def test_spec_values_of_the_wrong_kind(spec, words):
+    with pytest.raises(T.TopologyError) as err:
+        T.schedule_from_spec(spec)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
+def test_huge_server_sizes_do_not_overflow():
+    w = S.ServerSchedule(4, weights=[1e308, 1e308, 1, 1]).matrix(0)  # it was all NaN
+    np.testing.assert_allclose(w[0], [0.5, 0.5, 0, 0], atol=1e-300)
+
+
+def test_load_graph_of_an_npz_or_a_binary_file(tmp_path):
+    np.savez(tmp_path / "w.npz", W=np.eye(3)[None])
+    with pytest.raises(T.TopologyError, match="an .npz holds mixing matrices"):
+        T.load_graph(tmp_path / "w.npz")
+    (tmp_path / "latin.txt").write_bytes(b"0 1\n1 \xe9\n")
+    with pytest.raises(T.TopologyError, match=r"latin.txt: not a text \(UTF-8\) edge list"):
+        T.load_graph(tmp_path / "latin.txt")
