@@ -98,3 +98,29 @@ def test_load_graph_of_an_npz_or_a_binary_file(tmp_path):
     (tmp_path / "latin.txt").write_bytes(b"0 1\n1 \xe9\n")
     with pytest.raises(T.TopologyError, match=r"latin.txt: not a text \(UTF-8\) edge list"):
         T.load_graph(tmp_path / "latin.txt")
+
+
+def test_validation_and_rho_on_what_is_no_matrix():
+    assert not T.is_doubly_stochastic("ab") and not T.is_square([[1, 0], [0]])  # raw errors
+    assert not T.is_square(np.zeros((0, 0)))  # was True
+    assert not T.is_doubly_stochastic([[2.0]], tol=float("nan"))  # a NaN tol passed it
+    with pytest.raises(T.TopologyError, match="tol must be a finite number >= 0"):
+        T.validation.check_symmetric(np.eye(2), tol=-1)
+    for bad in (np.ones((2, 3)), np.zeros((0, 0)), [1, 2]):  # rho 1.22, a ZeroDivisionError...
+        with pytest.raises(T.TopologyError, match="matrix must be square"):
+            A.rho(bad)
+    with pytest.raises(T.TopologyError, match="horizon must be a positive number"):
+        A.connectivity_tau(S.graph_schedule(6, "ring"), horizon=None)
+
+
+def test_graph_families_check_their_seed():
+    for seed in (-1, "a", 1.5):  # NumPy's raw errors
+        with pytest.raises(T.TopologyError, match="seed must be an int >= 0 or None"):
+            T.erdos_renyi(10, 0.5, seed=seed)
+
+
+def test_npz_errors_are_not_wrapped_twice(tmp_path):
+    np.savez(tmp_path / "x.npz", X=np.eye(2))
+    with pytest.raises(T.TopologyError) as err:
+        T.spec.load_npz(tmp_path / "x.npz")
+    assert str(err.value) == f"{tmp_path / 'x.npz'}: no array 'W' (found X)"

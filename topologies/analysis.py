@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from topologies._base import MixingSchedule, Phase, TopologyError
+from topologies.validation import check_square
 
 __all__ = [
     "ExplicitSchedule",
@@ -101,7 +102,7 @@ def rho(W: np.ndarray) -> float:
     >>> rho(np.eye(3))
     1.0
     """
-    W = np.asarray(W, dtype=float)
+    W = check_square(W)  # a (2, 3) "matrix" got a rho too
     n = W.shape[0]
     D = W - 1.0 / n
     if np.array_equal(D, D.T):
@@ -191,7 +192,7 @@ def _effective_coo(schedule: MixingSchedule, t: int) -> tuple[np.ndarray, np.nda
 
 
 def _check_horizon(horizon: int) -> None:
-    if horizon < 1:
+    if isinstance(horizon, bool) or not isinstance(horizon, (int, np.integer)) or horizon < 1:
         raise TopologyError(f"horizon must be a positive number of rounds, got {horizon}")
 
 

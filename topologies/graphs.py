@@ -80,6 +80,9 @@ def _require_connected(g: nx.Graph) -> nx.Graph:
 
 def _seeds(seed, count: int):
     """Independent integer seeds for networkx, one per try, all derived from ``seed``."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+                             or seed < 0):  # fmt: skip
+        raise TopologyError(f"seed must be an int >= 0 or None, got {seed!r}")
     rng = np.random.default_rng(seed)
     return (int(s) for s in rng.integers(0, 2**63 - 1, size=count))
 

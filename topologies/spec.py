@@ -485,6 +485,8 @@ def load_npz(path: str | Path) -> _s.PeriodicSchedule:
                 raise TopologyError(f"{p}: no array 'W' (found {', '.join(data.files)})")
             w = np.asarray(data["W"], dtype=float)
             labels = data["labels"].tolist() if "labels" in data else None
+    except TopologyError:  # a ValueError too: its message is whole
+        raise
     except (ValueError, TypeError, OSError) as e:  # TypeError: a W of strings or objects
         raise TopologyError(f"{p}: not a readable .npz file ({e})") from None
     if w.ndim != 3 or w.shape[1] != w.shape[2] or w.shape[0] == 0:

@@ -32,8 +32,11 @@ def check_square(w) -> np.ndarray:
     ...
     topologies._base.TopologyError: matrix must be square, got shape (2, 3)
     """
-    a = np.asarray(w, dtype=float)
-    if a.ndim != 2 or a.shape[0] != a.shape[1]:
+    try:
+        a = np.asarray(w, dtype=float)
+    except (TypeError, ValueError):  # strings, ragged lists, mappings
+        raise TopologyError(f"matrix must be numbers, got {type(w).__name__} {w!r:.40}") from None
+    if a.ndim != 2 or a.shape[0] != a.shape[1] or a.size == 0:
         raise TopologyError(f"matrix must be square, got shape {a.shape}")
     if not np.isfinite(a).all():
         i, j = np.argwhere(~np.isfinite(a))[0]
@@ -51,7 +54,7 @@ def check_nonnegative(w, tol: float = 1e-8) -> None:
     ...
     topologies._base.TopologyError: entry (1, 0) is -0.5 (expected >= 0 within 1e-08)
     """
-    a = check_square(w)
+    a, tol = check_square(w), _check_tol(tol)
     bad = np.argwhere(a < -tol)
     if len(bad):
         i, j = bad[0]
@@ -68,7 +71,7 @@ def check_symmetric(w, tol: float = 1e-8) -> None:
     ...
     topologies._base.TopologyError: not symmetric: W[0, 1] = 0.5 but W[1, 0] = 0.2
     """
-    a = check_square(w)
+    a, tol = check_square(w), _check_tol(tol)
     bad = np.argwhere(np.abs(a - a.T) > tol)
     if len(bad):
         i, j = bad[0]
@@ -77,7 +80,16 @@ def check_symmetric(w, tol: float = 1e-8) -> None:
         )
 
 
+def _check_tol(tol) -> float:
+    """A tolerance is a finite number >= 0 (a NaN one passed every check)."""
+    ok = isinstance(tol, (int, float, np.floating)) and not isinstance(tol, bool)
+    if not ok or not np.isfinite(tol) or tol < 0:
+        raise TopologyError(f"tol must be a finite number >= 0, got {tol!r}")
+    return float(tol)
+
+
 def _check_sums(a: np.ndarray, axis: int, what: str, tol: float) -> None:
+    tol = _check_tol(tol)
     sums = a.sum(axis=axis)
     bad = np.flatnonzero(np.abs(sums - 1.0) > tol)
     if len(bad):
