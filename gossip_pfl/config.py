@@ -389,6 +389,8 @@ def validate(cfg: RunConfig) -> None:
         (cfg.eval.unseen_em in ("converge", "one_step"), "eval.unseen_em",
          "must be converge|one_step"),
         (a.inner_steps >= 1, "algorithm.inner_steps", "must be >= 1 (pFedMe's prox steps)"),
+        (a.personal_lr is None or a.personal_lr > 0, "algorithm.personal_lr", "must be > 0"),
+        (a.alpha_lr is None or a.alpha_lr >= 0, "algorithm.alpha_lr", "must be >= 0 (0: fixed)"),
         (cfg.runtime.metrics_every >= 1, "runtime.metrics_every", "must be >= 1"),
         (cfg.runtime.step_chunk >= 0, "runtime.step_chunk", "must be >= 0 (0: automatic)"),
         (cfg.runtime.threads >= 0, "runtime.threads", "must be >= 0 (0: automatic)"),
@@ -433,6 +435,14 @@ def validate(cfg: RunConfig) -> None:
     from gossip_pfl.algorithms import get_algorithm
 
     spec = get_algorithm(a.name)  # an unknown name fails here, before any data is built
+    if spec.workload != "model" and cfg.rule != RuleConfig():  # it would go unheeded
+        given = ", ".join(f"rule.{k}" for k, v in vars(cfg.rule).items()
+                          if v != getattr(RuleConfig(), k))  # fmt: skip
+        raise GossipError(f"config key(s) {given}: rules are for the model workloads; "
+                          f"'{a.name}' has its own server step")  # fmt: skip
+    if spec.workload == "pefll" and cfg.schedule not in (None, {"graph": "server"}):
+        raise GossipError(f"algorithm '{a.name}' runs on the server schedule (a hub) but "
+                          f"'schedule' is set to {cfg.schedule!r}: drop 'schedule'")  # fmt: skip
     if spec.topology == "given" and cfg.schedule is None:
         raise GossipError(
             f"algorithm '{a.name}' needs a schedule: set 'schedule' to a topology spec or a "

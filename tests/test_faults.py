@@ -164,6 +164,20 @@ BAD = {
         ["run", "{cfg}", *RING, "--set", "schedule.graph_args=5"],
         "schedule.graph_args: must be a mapping",
     ),
+    # these went unheeded (PeFLL and EM have their own server step), or trained on
+    "rule for EM": (
+        ["run", "{cfg}", "--set", "algorithm.name=fedem_em", "--set", "rule.name=scaffold"],
+        "rule.name: rules are for the model workloads",
+    ),
+    "PeFLL gossip": (
+        ["run", "{cfg}", "--set", "algorithm.name=pefll", *RING[2:]],
+        "'pefll' runs on the server schedule",
+    ),
+    "negative personal lr": (
+        ["run", "{cfg}", "--set", "algorithm.personal_lr=-0.05"],
+        "algorithm.personal_lr' must be > 0",
+    ),
+    "negative alpha lr": (["run", "{cfg}", "--set", "algorithm.alpha_lr=-1"], "alpha_lr' must"),
     # it read "seed: must be an int", as if the run's seed
     "schedule seed": (
         ["run", "{cfg}", *RING, "--set", "schedule.seed=abc"],
