@@ -31,7 +31,7 @@ import torch
 from gossip_pfl import checkpoint
 from gossip_pfl.algorithms import get_algorithm
 from gossip_pfl.algorithms.rules import Inbox
-from gossip_pfl.config import DataConfig, ModelConfig, RunConfig, to_dict
+from gossip_pfl.config import RunConfig, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.expfam import draws
 from gossip_pfl.expfam.compress import build_compressor
@@ -147,14 +147,6 @@ class ExpFamRun(RoundLoop):
                 f"config key 'participation' is for model workloads (got {cfg.participation!r}); "
                 "EM workers take part with probability expfam.p"
             )
-        for key, value, default in (("data", cfg.data, DataConfig()),
-                                    ("model", cfg.model, ModelConfig())):  # fmt: skip
-            given = {**({"name": value.name} if value.name != default.name else {}),
-                     **value.options}  # fmt: skip
-            if given:  # the EM reads expfam.* only: these would go unheeded
-                keys = ", ".join(f"{key}.{k}={v!r}" for k, v in given.items())
-                raise GossipError(f"config keys {keys} are for model workloads; EM's data and "
-                                  "model are expfam.data and expfam.model")  # fmt: skip
         rt = cfg.runtime
         if rt.precision != "float32":  # the closed forms need float64 (models.DTYPE)
             raise GossipError(
