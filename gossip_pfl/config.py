@@ -435,19 +435,21 @@ def validate(cfg: RunConfig) -> None:
     from gossip_pfl.algorithms import get_algorithm
 
     spec = get_algorithm(a.name)  # an unknown name fails here, before any data is built
-    if spec.workload != "model" and cfg.rule != RuleConfig():  # it would go unheeded
+    default_rule = RuleConfig()
+    if spec.workload != "model" and cfg.rule != default_rule:  # it would go unheeded
         given = ", ".join(f"rule.{k}" for k, v in vars(cfg.rule).items()
-                          if v != getattr(RuleConfig(), k))  # fmt: skip
+                          if v != getattr(default_rule, k))  # fmt: skip
         raise GossipError(f"config key(s) {given}: rules are for the model workloads; "
                           f"'{a.name}' has its own server step")  # fmt: skip
-    for key, value, default in (("data", cfg.data, DataConfig()),
-                                ("model", cfg.model, ModelConfig())):  # fmt: skip
-        given = {**({"name": value.name} if value.name != default.name else {}),
-                 **value.options}  # fmt: skip
-        if spec.workload == "expfam" and given:  # the EM reads expfam.*: they'd go unheeded
-            keys = ", ".join(f"{key}.{k}={v!r}" for k, v in given.items())
-            raise GossipError(f"config keys {keys} are for model workloads; EM's data and "
-                              "model are expfam.data and expfam.model")  # fmt: skip
+    if spec.workload == "expfam":  # the EM reads expfam.*: data.* and model.* go unheeded
+        for key, value, default in (("data", cfg.data, DataConfig()),
+                                    ("model", cfg.model, ModelConfig())):  # fmt: skip
+            given = {**({"name": value.name} if value.name != default.name else {}),
+                     **value.options}  # fmt: skip
+            if given:
+                keys = ", ".join(f"{key}.{k}={v!r}" for k, v in given.items())
+                raise GossipError(f"config keys {keys} are for model workloads; EM's data and "
+                                  "model are expfam.data and expfam.model")  # fmt: skip
     if spec.workload == "pefll" and cfg.schedule not in (None, {"graph": "server"}):
         raise GossipError(f"algorithm '{a.name}' runs on the server schedule (a hub) but "
                           f"'schedule' is set to {cfg.schedule!r}: drop 'schedule'")  # fmt: skip

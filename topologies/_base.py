@@ -117,4 +117,5 @@ class MixingSchedule(ABC):
 
 
 def _is_int(v) -> bool:
+    """An integer, Python's or NumPy's, and not a bool (True is an int to Python)."""
     return isinstance(v, (int, np.integer)) and not isinstance(v, bool)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from topologies._base import MixingSchedule, Phase, TopologyError
+from topologies._base import MixingSchedule, Phase, TopologyError, _is_int
 from topologies.validation import check_square
 
 __all__ = [
@@ -192,7 +192,7 @@ def _effective_coo(schedule: MixingSchedule, t: int) -> tuple[np.ndarray, np.nda
 
 
 def _check_horizon(horizon: int) -> None:
-    if isinstance(horizon, bool) or not isinstance(horizon, (int, np.integer)) or horizon < 1:
+    if not _is_int(horizon) or horizon < 1:
         raise TopologyError(f"horizon must be a positive number of rounds, got {horizon}")
 
 
@@ -555,7 +555,7 @@ def consensus_run(
     >>> res.errors.round(12).tolist(), res.rounds_to(1e-6), res.messages.tolist()
     ([1.0, 0.0, 0.0], 1, [12, 12])
     """
-    if isinstance(rounds, bool) or not isinstance(rounds, (int, np.integer)) or rounds < 0:
+    if not _is_int(rounds) or rounds < 0:
         raise TopologyError(f"rounds must be an int >= 0, got {rounds!r}")
     n = schedule.n
     if x0 is None:

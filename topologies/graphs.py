@@ -14,7 +14,7 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 
-from topologies._base import TopologyError
+from topologies._base import TopologyError, _is_int
 
 __all__ = [
     "GRAPH_FAMILIES",
@@ -39,7 +39,7 @@ __all__ = [
 
 
 def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    if not _is_int(value):
         raise TopologyError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise TopologyError(f"{name} must be >= {minimum}, got {value}")
@@ -47,7 +47,7 @@ def _check_int(name: str, value, minimum: int) -> int:
 
 
 def _check_n(family: str, n, minimum: int) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+    if not _is_int(n):
         raise TopologyError(f"{family} needs an int n, got {n!r}")
     if n < minimum:
         raise TopologyError(f"{family} needs n >= {minimum}, got n={n}")
@@ -80,8 +80,7 @@ def _require_connected(g: nx.Graph) -> nx.Graph:
 
 def _seeds(seed, count: int):
     """Independent integer seeds for networkx, one per try, all derived from ``seed``."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
-                             or seed < 0):  # fmt: skip
+    if seed is not None and (not _is_int(seed) or seed < 0):
         raise TopologyError(f"seed must be an int >= 0 or None, got {seed!r}")
     rng = np.random.default_rng(seed)
     return (int(s) for s in rng.integers(0, 2**63 - 1, size=count))

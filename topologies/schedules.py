@@ -17,7 +17,7 @@ import networkx as nx
 import numpy as np
 
 from topologies import graphs as _graphs
-from topologies._base import MixingSchedule, Phase, TopologyError
+from topologies._base import MixingSchedule, Phase, TopologyError, _is_int
 from topologies.weights import weight_rule
 
 __all__ = [
@@ -43,13 +43,13 @@ RANDOM_FAMILIES = ("erdos_renyi", "random_regular", "small_world")
 def _check_seed(seed) -> int:
     if seed is None:
         return 0
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+    if not _is_int(seed) or seed < 0:
         raise TopologyError(f"seed must be an int >= 0, got {seed!r}")
     return int(seed)
 
 
 def _check_n(n, minimum: int = 1) -> int:
-    if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+    if not _is_int(n):
         raise TopologyError(f"n must be an int, got {n!r}")
     if n < minimum:
         raise TopologyError(f"n must be >= {minimum}, got {n}")
