@@ -5,6 +5,7 @@ unseen-client accuracies, cluster recovery for the clustering variant, and wall 
 and in total (issue 4's goals: D-FedEM in under 60 s, the whole table in under 15 minutes).
 
     python benchmarks/synthetic_table.py [--rounds 200] [--only fedem,dfedem] [--markdown]
+        [--set algorithm.loss_divisor=batch_size] [--out runs/synthetic_table]
 """
 
 from __future__ import annotations
@@ -40,11 +41,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="override rounds")
     ap.add_argument("--only", default="", help="comma-separated config names")
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    ap.add_argument("--set", action="append", default=[], help="KEY=VALUE for every run")
+    ap.add_argument("--out", default="runs/synthetic_table", help="runs go to OUT/NAME")
     args = ap.parse_args()
     names = args.only.split(",") if args.only else list(PAPER)
     rows, start = [], time.perf_counter()
     for name in names:
-        overrides = [f"out=runs/synthetic_table/{name}"]
+        overrides = [f"out={args.out}/{name}", *args.set]
         if args.rounds:
             overrides.append(f"rounds={args.rounds}")
         cfg = load_config(CONFIGS / f"{name}.yaml", overrides)

@@ -297,6 +297,10 @@ def _kind(value: object) -> str:
     return f"an {name}" if name[:1] in "aeiou" else f"a {name}"
 
 
+# keys added after checkpoints were made, with the behaviour those checkpoints ran under
+_BEFORE_KEY = {"algorithm.loss_divisor": "batch_size"}
+
+
 def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
     """Dotted keys whose values differ between two resolved configs (ignoring 'out')."""
     keys = sorted(set(saved) | set(current))
@@ -308,9 +312,20 @@ def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str
             # backend, batching, call sizes: like the number of ranks, these change float
             # rounding, not the algorithm) may change
             continue
-        a, b = saved.get(key), current.get(key)
+        a, b = saved.get(key, _BEFORE_KEY.get(path)), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
             diffs += config_differences(a, b, f"{path}.")
         elif a != b:
             diffs.append(path)
     return diffs
+
+
+def saved_value(saved: dict, path: str):
+    """The checkpoint's value of a dotted key (for a key it predates, the behaviour it ran
+    under)."""
+    node = saved
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return _BEFORE_KEY.get(path)
+        node = node[part]
+    return node

@@ -45,6 +45,10 @@ class AlgorithmConfig:
     momentum: float = 0.0
     weight_decay: float = 0.0
     batch_size: int = 128
+    #: what a minibatch's summed loss is divided by: batch (its own real samples, so a short
+    #: batch is a mean as every other: the released FedEM code) | batch_size (B, so a short
+    #: batch takes a step of b / B)
+    loss_divisor: str = "batch"
     local_epochs: int = 1
     local_steps: int | None = None  #: fixed steps per round instead of epochs
     lr_decay: list[float] = field(default_factory=list)  #: fractions of the run where lr *= 0.1
@@ -374,6 +378,8 @@ def validate(cfg: RunConfig) -> None:
         (a.mu >= 0, "algorithm.mu", "must be >= 0"),
         (0 <= a.alpha <= 1, "algorithm.alpha", "must be in [0, 1]"),
         (a.batch_size >= 1, "algorithm.batch_size", "must be >= 1"),
+        (a.loss_divisor in ("batch", "batch_size"), "algorithm.loss_divisor",
+         "must be batch|batch_size"),
         (a.local_epochs >= 1, "algorithm.local_epochs", "must be >= 1"),
         (a.local_steps is None or a.local_steps >= 0, "algorithm.local_steps", "must be >= 0"),
         (0 <= a.momentum < 1, "algorithm.momentum", "must be in [0, 1)"),

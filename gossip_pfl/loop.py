@@ -65,13 +65,15 @@ class RoundLoop:
 
     def check_resumable(self, state: dict, where: str) -> None:
         """A loaded checkpoint can go on under this config: same keys, rounds left."""
-        from gossip_pfl.checkpoint import config_differences
+        from gossip_pfl.checkpoint import config_differences, saved_value
 
-        diffs = config_differences(state.get("config", {}), to_dict(self.cfg))
+        saved = state.get("config", {})
+        diffs = config_differences(saved, to_dict(self.cfg))
         if diffs:
+            was = ", ".join(f"{k}={saved_value(saved, k)}" for k in diffs)
             raise GossipError(
                 f"{where}: the checkpoint was made with a different config "
-                f"(keys differ: {', '.join(diffs)})"
+                f"(keys differ: {', '.join(diffs)}; the checkpoint's: {was})"
             )
         done = state["rounds_done"]
         if done > self.cfg.rounds:

@@ -360,7 +360,7 @@ class Trainer(RoundLoop):
         post = self._linear_host if fused else None
         idx, weight, *host = self.planner(
             counts, self.train_ids[self.peers], self.cfg.seed, t, a.batch_size, epochs, steps,
-            stream, post,
+            stream, post, a.loss_divisor == "batch",
         )  # fmt: skip
         self.steps_taken.copy_(torch.as_tensor((weight.sum(-1) > 0).sum(0), device=self.device))
         if fused:
@@ -400,8 +400,9 @@ class Trainer(RoundLoop):
                 continue
             extra = {}
             if self.track_loss or self.line_search:
-                # the loss is normalized by the nominal batch size (the released FedEM code's
-                # gradient); FedLi's objective is the mean over the batch's real samples
+                # FedLi's objective is the mean over the batch's real samples; the loss
+                # divides by B (with loss_divisor batch, the plan's weights make it that mean
+                # already, and this factor is 1)
                 mean = (a.batch_size / b_w.sum(-1).clamp_min(1)).to(loss.dtype)  # (A,)
                 loss = loss * mean
                 self.last_loss[sel] = loss.double()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from _helpers import run_ranks, stop_after_checkpoint, toy_dataset
 
+from gossip_pfl import checkpoint
 from gossip_pfl.config import load_config
 from gossip_pfl.errors import GossipError
 from gossip_pfl.train import Trainer
@@ -89,11 +90,34 @@ def test_resume_with_other_config_names_keys(tmp_path):
     changed = cfg_for(tmp_path / "cut", seed=6)
     changed.algorithm.lr = 0.3
     changed.runtime.batching = "loop"  # how to run may change; only lr and seed are named
-    with pytest.raises(GossipError, match=r"keys differ: algorithm.lr, seed"):
+    with pytest.raises(GossipError, match=r"keys differ: algorithm.lr, seed; the checkpoint's: "
+                       r"algorithm.lr=0.2, seed=5\)"):  # fmt: skip
         Trainer(changed, dataset=toy_dataset(8), log=lambda *a: None).run(resume=True)
     # nothing was overwritten by the refused resume
     rows = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(r)["round"] for r in rows] == [2]
+
+
+def test_a_checkpoint_from_before_loss_divisor_resumes_as_it_ran(tmp_path):
+    """A checkpoint made before ``algorithm.loss_divisor`` existed divided every minibatch by
+    B: it resumes under ``loss_divisor: batch_size`` and equals the uninterrupted run, and is
+    refused under the new default (which would change its numbers halfway), naming the key."""
+
+    def old(out):
+        cfg = cfg_for(out)
+        cfg.algorithm.loss_divisor = "batch_size"
+        return cfg
+
+    theta, _ = run_until(old(tmp_path / "full"), None)
+    run_until(old(tmp_path / "cut"), stop_after=2)
+    state = checkpoint.load(tmp_path / "cut")
+    del state["config"]["algorithm"]["loss_divisor"]  # as such a checkpoint was written
+    checkpoint.save(state, tmp_path / "cut")
+    with pytest.raises(GossipError, match=r"keys differ: algorithm.loss_divisor; the "
+                       r"checkpoint's: algorithm.loss_divisor=batch_size\)"):  # fmt: skip
+        resume(cfg_for(tmp_path / "cut"))
+    for p, (th, _) in resume(old(tmp_path / "cut")).items():
+        np.testing.assert_array_equal(th, theta[p])
 
 
 def test_resume_without_checkpoint(tmp_path):

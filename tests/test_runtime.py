@@ -553,10 +553,11 @@ def test_padding_that_is_never_written_costs_no_memory():
     assert grew < 16 << 20, f"{grew / 2**20:.0f} MiB resident for 4.5 MiB of samples"
 
 
-def _reference_plan(counts, peers, seed, round_, batch_size, epochs, steps, stream):
+def _reference_plan(counts, peers, seed, round_, batch_size, epochs, steps, stream, mean=False):
     """Batch by batch, as the plan is defined: per peer a default_rng((seed, peer, round,
     stream)); epochs cut one permutation each (short last batch), fixed steps cut full
-    batches from a running stream of permutations."""
+    batches from a running stream of permutations. Weights 1, or with ``mean`` B / b for a
+    batch of b samples."""
     per_peer = []
     for i, n_i in zip(peers, counts):
         rng = np.random.default_rng([seed, int(i), round_, stream])
@@ -580,7 +581,8 @@ def _reference_plan(counts, peers, seed, round_, batch_size, epochs, steps, stre
     weight = np.zeros((S, len(peers), batch_size), dtype=np.float32)
     for l, batches in enumerate(per_peer):
         for s, b in enumerate(batches):
-            idx[s, l, : len(b)], weight[s, l, : len(b)] = b, 1.0
+            share = np.float32(batch_size) / np.float32(len(b)) if mean else 1.0
+            idx[s, l, : len(b)], weight[s, l, : len(b)] = b, share
     return idx, weight
 
 
@@ -597,13 +599,60 @@ def test_round_batches_equal_the_batch_by_batch_reference():
         steps = None if rng.random() < 0.5 else int(rng.integers(0, 9))
         # seeds past 2**32 take the plain default_rng path, smaller ones the fast one
         seed = int(rng.choice([3, 2**32 - 1, 2**32, 2**40 + 7]))
-        got = round_batches(counts, peers, seed, 5, *args, steps, 1)
-        want = _reference_plan(counts, peers, seed, 5, *args, steps, 1)
+        mean = bool(rng.random() < 0.5)
+        got = round_batches(counts, peers, seed, 5, *args, steps, 1, mean)
+        want = _reference_plan(counts, peers, seed, 5, *args, steps, 1, mean)
         # a batch no wider than the largest peer's data: past it the reference is padding
         width = min(args[0], counts.max())
         assert got[0].shape == (*want[0].shape[:2], width) and not want[1][..., width:].any()
         for g, w in zip(got, want):
             assert np.array_equal(g, w[..., :width])
+
+
+@pytest.mark.parametrize("batching", ["auto", "vmap"])
+@pytest.mark.parametrize("divisor", ["batch", "batch_size"])
+def test_local_sgd_equals_a_per_client_torch_loop(divisor, batching, tmp_path):
+    """Two epochs of plain SGD == each client alone, minibatch by minibatch of the same plan,
+    on torch's binary cross-entropy summed and divided by the batch's own samples
+    (``loss_divisor: batch``: ``reduction='mean'``, the released FedEM code) or by B
+    (``batch_size``). Clients hold 20 to 85 samples and B = 16, so each epoch of every client
+    ends on a short batch; ``auto`` takes the fused closed-form step, ``vmap`` autograd."""
+    from gossip_pfl.runtime.data import round_batches
+
+    B, lr, seed = 16, 0.3, 5
+    cfg = load_config(base={
+        "seed": seed, "rounds": 1, "out": str(tmp_path),
+        "algorithm": {"name": "local", "batch_size": B, "lr": lr, "local_epochs": 2,
+                      "loss_divisor": divisor},
+        "runtime": {"device": "cpu", "batching": batching},
+    })  # fmt: skip
+    data = toy_dataset(6)
+    tr = Trainer(cfg, dataset=data, log=lambda *a: None)
+    assert tr.forward.closed_form == (batching == "auto")
+    L = len(tr.peers)
+    start = tr.nodes[:L, 0].clone()
+    tr.local_work(0)
+    idx, real = round_batches(tr.counts, tr.train_ids[tr.peers], seed, 0, B, epochs=2)
+    short = 0
+    for l in range(L):
+        client = data.clients[int(tr.train_ids[tr.peers[l]])]
+        x, y = torch.as_tensor(client.x_train), torch.as_tensor(client.y_train).double()
+        p = {k: v.double() for k, v in tr.layout.unflatten(start[l]).items()}
+        w, b = p["fc.weight"].requires_grad_(), p["fc.bias"].requires_grad_()
+        for s in range(idx.shape[0]):
+            rows = idx[s, l][real[s, l] > 0]
+            if len(rows) == 0:
+                continue
+            short += len(rows) < B
+            z = (x[rows].double() @ w.T + b)[:, 0]
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(z, y[rows], reduction="sum")
+            loss = loss / (len(rows) if divisor == "batch" else B)
+            gw, gb = torch.autograd.grad(loss, (w, b))
+            w, b = (w - lr * gw).detach().requires_grad_(), (b - lr * gb).detach().requires_grad_()
+        got = tr.layout.unflatten(tr.nodes[l, 0])
+        torch.testing.assert_close(got["fc.weight"].double(), w.detach(), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got["fc.bias"].double(), b.detach(), rtol=1e-5, atol=1e-6)
+    assert short == 2 * L  # every epoch of every client ended on a short batch
 
 
 def test_cuda_numerics_switch_off_tf32_and_autotuning(monkeypatch):

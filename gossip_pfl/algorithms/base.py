@@ -60,9 +60,9 @@ class Surrogate(Protocol):
 
 
 def weighted_loss(ctx: Context, theta: torch.Tensor, x, y, sw, batch_size: int) -> torch.Tensor:
-    """(sum_b sw_b * loss_b) / batch_size per peer, summed over components: (A,). A short
-    batch is divided by batch_size too (the released FedEM code divides it by its length:
-    docs/algorithms.md, "Loss and participation")."""
+    """(sum_b sw_b * loss_b) / batch_size per peer, summed over components: (A,). With
+    ``loss_divisor: batch`` the plan's weights hold batch_size / b for a batch of b samples,
+    so this is the batch's mean (docs/algorithms.md, "Loss and participation")."""
     per = sample_loss(ctx.forward(theta, x), y, ctx.task)  # (A, M, B)
     return (per * sw).sum((1, 2)) / batch_size
 

@@ -257,7 +257,7 @@ def step_plan(idx: np.ndarray, weight: np.ndarray, n_max: int, device) -> list[S
     is worked out on the host and uploaded in three copies per round, then split into
     per-step views: a per-step nonzero() or upload would stop the host at every step on a
     GPU, and every step would pay a dozen small operations for it."""
-    filled = weight.sum(-1)  # (S, L) real samples of each peer's batch at step s
+    filled = (weight > 0).sum(-1)  # (S, L) real samples of each peer's batch at step s
     L = idx.shape[1]
     rows, flat, wts, sizes = [], [], [], []
     for s in range(idx.shape[0]):
@@ -316,7 +316,7 @@ def linear_host(
     split: PaddedSplit, batch_size: int, idx: np.ndarray, weight: np.ndarray
 ) -> LinearHost:
     """:class:`LinearHost` of :func:`round_batches`' plan (idx, weight) over ``split``."""
-    filled = weight.sum(-1)  # (S, L)
+    filled = weight.sum(-1)  # (S, L): > 0 where the peer takes the step
     rows = [(s, r) for s in range(idx.shape[0]) if len(r := np.flatnonzero(filled[s] > 0))]
     if not rows:
         empty = np.zeros((0, idx.shape[-1]), dtype=np.int64)
@@ -363,10 +363,13 @@ def round_batches(
     epochs: int = 1,
     steps: int | None = None,
     stream: int = 0,
+    mean: bool = False,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Minibatch plan of one round for a rank's peers.
 
-    Returns ``idx`` (S, L, B) sample indices and ``weight`` (S, L, B) in {0, 1}. Peer i takes
+    Returns ``idx`` (S, L, B) sample indices and ``weight`` (S, L, B): 1 for a real sample, 0
+    for padding; with ``mean``, ``batch_size / b`` for each of a batch's b real samples, so
+    that a weighted loss divided by ``batch_size`` is the batch's mean. Peer i takes
     ``epochs * ceil(n_i / B)`` steps, one permutation per epoch with a short last batch (or
     exactly ``steps`` full batches cut from a running stream of permutations); steps past a
     peer's end are all-zero weight, and the solver skips them. Each peer draws from its own
@@ -374,6 +377,7 @@ def round_batches(
     which other peers share its rank.
     """
     counts = np.asarray(counts, dtype=np.int64)
+    nominal = batch_size
     # no batch holds more than the largest peer's samples: a wider B is only padding (the
     # same plan, and B = 10**7 made every step that wide); the loss still divides by B
     batch_size = min(batch_size, max(1, int(counts.max(initial=1))))
@@ -404,7 +408,11 @@ def round_batches(
             idx[l].reshape(steps, batch_size)[:, :b] = order[: steps * b].reshape(steps, b)
             weight[l].reshape(steps, batch_size)[:, :b] = 1.0
     shape = (L, n_steps, batch_size)
-    return idx.reshape(shape).transpose(1, 0, 2), weight.reshape(shape).transpose(1, 0, 2)
+    weight = weight.reshape(shape)
+    if mean:  # each real sample's share of its batch, times the nominal B the loss divides by
+        filled = weight.sum(-1, keepdims=True)
+        np.divide(np.float32(nominal), filled, out=weight, where=weight > 0)
+    return idx.reshape(shape).transpose(1, 0, 2), weight.transpose(1, 0, 2)
 
 
 class BatchPlanner:
@@ -426,12 +434,13 @@ class BatchPlanner:
     def __call__(
         self, counts: np.ndarray, peers: np.ndarray, seed: int, round_: int, batch_size: int,
         epochs: int = 1, steps: int | None = None, stream: int = 0, post=None,
+        mean: bool = False,
     ) -> tuple:  # fmt: skip
         """(idx, weight) of :func:`round_batches`, and ``post(idx, weight)`` when given."""
         counts = np.asarray(counts, dtype=np.int64)
         key = (counts.tobytes(), np.asarray(peers).tobytes(), seed, batch_size, epochs, steps,
-               post)  # fmt: skip
-        rest = (batch_size, epochs, steps, stream, post)
+               post, mean)  # fmt: skip
+        rest = (batch_size, epochs, steps, stream, post, mean)
         ahead = self._ahead.pop(stream, None)
         if ahead and ahead[0] == (*key, round_):
             plan = ahead[1].result()
@@ -444,8 +453,10 @@ class BatchPlanner:
         return plan
 
 
-def _plan(counts, peers, seed, round_, batch_size, epochs, steps, stream, post) -> tuple:
-    idx, weight = round_batches(counts, peers, seed, round_, batch_size, epochs, steps, stream)
+def _plan(counts, peers, seed, round_, batch_size, epochs, steps, stream, post, mean) -> tuple:
+    idx, weight = round_batches(
+        counts, peers, seed, round_, batch_size, epochs, steps, stream, mean
+    )
     return (idx, weight) if post is None else (idx, weight, post(idx, weight))
 
 
