@@ -102,7 +102,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, [*args.overrides, "runtime.transport=zmq", f"out={out}"])
     check_out_dir(out, args.resume, args.overwrite)
     dataset = load_dataset(cfg.data.name, **cfg.data.options)
-    n = len(dataset.clients) - len(getattr(dataset, "unseen", []) or [])
+    n = _training_peers(dataset)
     if len(table) > n:
         raise GossipError(
             f"peers file {source}: {len(table)} processes but the run has {n} peers: ids "
@@ -155,6 +155,11 @@ def _check_workload(cfg: RunConfig) -> None:
         )
 
 
+def _training_peers(dataset) -> int:
+    """The run's peers: its clients less the unseen ones."""
+    return len(dataset.clients) - len(getattr(dataset, "unseen", []) or [])
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)  # signal 0: is it there (a zombie counts until its parent reaps it)
@@ -188,6 +193,13 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
         if kill["id"] >= args.n:
             raise GossipError(f"runtime.faults.kill: id {kill['id']} is not one of the "
                               f"-n {args.n} processes (ids 0..{args.n - 1})")  # fmt: skip
+    from gossip_pfl.data import load_dataset  # numpy only: the launcher stays without torch
+
+    # before any process starts: each would load the data only to find it has no peer
+    n = _training_peers(load_dataset(cfg.data.name, **cfg.data.options))
+    if args.n > n:
+        raise GossipError(f"-n {args.n}: the run has {n} peers, so at most {n} processes "
+                          "(one or more peers each)")  # fmt: skip
     run_dir = Path(args.out or cfg.out)
     if (run_dir / "peers").exists():
         if not args.overwrite:

@@ -342,12 +342,15 @@ def test_bad_peers_files_exit_2_with_one_line(tmp_path, capsys, peers, message):
         ("[{id: 1, round: 3, restart: 3}]", "restart: R2 > R"),
         # process 7 of 4 (with a restart this was a KeyError, its 4 processes left running)
         ("[{id: 7, round: 1, restart: 2}]", r"id 7 is not one of the -n 4 processes \(ids 0..3\)"),
+        # more processes than peers: each loaded its data to find out (about 20 s)
+        ("[]", r"-n 9: the run has 8 peers, so at most 8 processes"),
     ],
 )
-def test_bad_kill_schedules_stop_before_any_process_starts(tmp_path, capsys, kill, message):
+def test_bad_launches_stop_before_any_process_starts(tmp_path, capsys, kill, message):
     cfg = _config(tmp_path)
     start = time.monotonic()
-    code = main(["peers-local", str(cfg), "-n", "4", "--set", f"runtime.faults.kill={kill}"])
+    n = "9" if kill == "[]" else "4"
+    code = main(["peers-local", str(cfg), "-n", n, "--set", f"runtime.faults.kill={kill}"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1, err
     assert re.search(message, err), err
