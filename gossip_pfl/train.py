@@ -39,6 +39,7 @@ from gossip_pfl.runtime.data import (
     client_ids,
     linear_host,
     linear_round,
+    round_batches,
     step_plan,
 )
 from gossip_pfl.runtime.exchange import Exchanger, weight_by_size
@@ -570,12 +571,33 @@ class Trainer(RoundLoop):
         u = len(self.unseen_pos)
         theta_u = theta_bar.expand(u, *theta_bar.shape)
         personal = self.surrogate.init_personal(self.unseen_ids[self.unseen_pos], theta_bar)
+        if self.finetune_epochs:  # FedAvg+: the local epochs a seen peer takes, on its own data
+            theta_u = theta_u.clone()
+            with torch.enable_grad():
+                self.finetune_unseen(theta_u, personal)
         if self.M > 1:
             losses = self.train_losses(theta_u, self.unseen_train)
             iters = 1 if self.cfg.eval.unseen_em == "one_step" else 300
             personal["pi"] = fit_mixture_weights(losses, self.unseen_train.mask, iters)
         nll, acc = self.scores(self.unseen_test, theta_u, personal)
         return tuple(self.gather([nll, acc, self.unseen_test.counts], self.unseen_pos, n_unseen))
+
+    def finetune_unseen(self, theta: torch.Tensor, personal: dict) -> None:
+        """``eval.finetune_epochs`` of plain SGD at ``algorithm.lr`` on each unseen client's
+        training data, in place on ``theta`` (U, M, P): what :meth:`evaluate` does for the
+        seen peers (no momentum, decay or rule correction; minibatches from stream 1 of
+        (seed, client, round)), through the surrogate's generic gradient."""
+        split, a = self.unseen_train, self.cfg.algorithm
+        ids = self.unseen_ids[self.unseen_pos]
+        idx, weight = round_batches(split.counts.cpu().numpy(), ids, self.cfg.seed, self.round,
+                                    a.batch_size, self.finetune_epochs, stream=1,
+                                    mean=a.loss_divisor == "batch")  # fmt: skip
+        for st in step_plan(idx, weight, split.y.shape[1], self.device):
+            x, y = split.take_flat(st.flat, st.shape)
+            sw = st.weight[:, None, :].expand(-1, self.M, -1)
+            mine = {k: v[st.rows] for k, v in personal.items()}
+            grad, _ = self.surrogate.shared_grad(self, theta[st.sel], mine, st.rows, x, y, sw)
+            theta.index_add_(0, st.rows, grad, alpha=-a.lr)
 
     @torch.no_grad()
     def consensus_distance(self) -> list[float]:

@@ -655,6 +655,48 @@ def test_local_sgd_equals_a_per_client_torch_loop(divisor, batching, tmp_path):
     assert short == 2 * L  # every epoch of every client ended on a short batch
 
 
+def test_fedavg_plus_fine_tunes_an_unseen_client_as_a_per_client_loop(tmp_path):
+    """FedAvg+'s unseen client takes the local epoch a seen peer takes at evaluation: from the
+    peers' average, plain SGD on its own training data (minibatches of stream 1, the batch's
+    mean loss), then it is scored; equal to that loop written out with torch."""
+    from gossip_pfl.runtime.data import round_batches
+
+    B, lr, seed = 16, 0.3, 5
+    cfg = load_config(base={
+        "seed": seed, "rounds": 2, "out": str(tmp_path),
+        "algorithm": {"name": "fedavg_plus", "batch_size": B, "lr": lr},
+        "runtime": {"device": "cpu"},
+    })  # fmt: skip
+    data = toy_dataset(7)
+    data.unseen = [6]  # 98 training samples: 6 full batches and a short one
+    tr = Trainer(cfg, dataset=data, log=lambda *a: None)
+    for t in range(2):
+        tr.local_work(t)
+        tr.communicate(t)
+    _, acc, _ = tr.evaluate_unseen()
+    theta_bar = tr.nodes[: len(tr.peers), 0].double().mean(0)
+    client = data.clients[6]
+    x, y = torch.as_tensor(client.x_train).double(), torch.as_tensor(client.y_train).double()
+    p = tr.layout.unflatten(theta_bar)
+    w, b = p["fc.weight"].clone().requires_grad_(), p["fc.bias"].clone().requires_grad_()
+    idx, real = round_batches([len(y)], [6], seed, tr.round, B, epochs=1, stream=1)
+    for s in range(idx.shape[0]):
+        rows = idx[s, 0][real[s, 0] > 0]
+        z = (x[rows] @ w.T + b)[:, 0]
+        loss = torch.nn.functional.binary_cross_entropy_with_logits(z, y[rows])
+        gw, gb = torch.autograd.grad(loss, (w, b))
+        w, b = (w - lr * gw).detach().requires_grad_(), (b - lr * gb).detach().requires_grad_()
+    theta = theta_bar.float()[None, None].clone()
+    tr.finetune_unseen(theta, tr.surrogate.init_personal(np.array([6]), theta[0]))
+    got = tr.layout.unflatten(theta[0, 0])
+    torch.testing.assert_close(got["fc.weight"].double(), w.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got["fc.bias"].double(), b.detach(), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(got["fc.bias"], p["fc.bias"].float())  # it did train
+    xt, yt = torch.as_tensor(client.x_test).double(), torch.as_tensor(client.y_test)
+    want = float((((xt @ w.T + b)[:, 0] > 0).long() == yt).double().mean())
+    assert acc[0] == pytest.approx(want)
+
+
 def test_cuda_numerics_switch_off_tf32_and_autotuning(monkeypatch):
     """What a CUDA run sets before its first product (the flags exist without a GPU): TF32 off
     and deterministic kernels by default; runtime.tf32 / deterministic: false undo each."""
