@@ -31,7 +31,12 @@ from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop
 from gossip_pfl.metrics import recovery_entry, score_entries
 from gossip_pfl.models import build_model
-from gossip_pfl.runtime.comm import comm_from_config, gather_rows, set_cuda_numerics
+from gossip_pfl.runtime.comm import (
+    comm_from_config,
+    device_memory,
+    gather_rows,
+    set_cuda_numerics,
+)
 from gossip_pfl.runtime.data import (
     BatchPlanner,
     PaddedSplit,
@@ -212,6 +217,14 @@ class Trainer(RoundLoop):
         if self.schedule is not None:
             n_nodes = max(p.size for p in self.schedule.phases(0))
         self.n_local_nodes = len(self.placement.nodes(n_nodes))
+        need, have = self.n_local_nodes * self.M * self.layout.numel * 4, device_memory(self.device)
+        if need > have:  # before torch draws M models (10**8 of them spun for minutes)
+            raise GossipError(
+                f"the shared state alone needs {self.n_local_nodes} nodes x "
+                f"algorithm.components {self.M} x {self.layout.numel:,} parameters x 4 bytes = "
+                f"{need / 2**30:,.1f} GiB, more than the {have / 2**30:,.1f} GiB of this "
+                f"{self.device.type} device; lower algorithm.components or the model's size"
+            )
         theta0 = init_components(model_fn, self.layout, self.M, cfg.seed).to(self.device)
         self.nodes = theta0.expand(self.n_local_nodes, *theta0.shape).clone()
         self.bundle = Bundle(tuple(theta0.shape), self.rule.tensors, self.rule.scalars)

@@ -697,6 +697,17 @@ def test_fedavg_plus_fine_tunes_an_unseen_client_as_a_per_client_loop(tmp_path):
     assert acc[0] == pytest.approx(want)
 
 
+def test_components_beyond_the_memory_are_refused_with_the_arithmetic(tmp_path):
+    """10**11 components of the toy model: the error gives the product, at once (drawing them
+    first spun for minutes)."""
+    cfg = make_cfg(tmp_path, "ring", "dfedem", components=10**11)
+    start = time.monotonic()
+    with pytest.raises(GossipError, match=r"needs 8 nodes x algorithm.components 100000000000 x "
+                       r"6 parameters x 4 bytes = 17,881.4 GiB, more than the"):  # fmt: skip
+        Trainer(cfg, dataset=toy_dataset(8), log=lambda *a: None)
+    assert time.monotonic() - start < 10
+
+
 def test_cuda_numerics_switch_off_tf32_and_autotuning(monkeypatch):
     """What a CUDA run sets before its first product (the flags exist without a GPU): TF32 off
     and deterministic kernels by default; runtime.tf32 / deterministic: false undo each."""

@@ -185,6 +185,13 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
+def device_memory(device: torch.device) -> int:
+    """Bytes of memory on ``device``: the GPU's total, or this machine's physical memory."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[1]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def set_cuda_numerics(tf32: bool, deterministic: bool) -> None:
     """Float behaviour of CUDA kernels for this process (no effect on CPU work).
 
