@@ -14,6 +14,7 @@ import torch
 from gossip_pfl import checkpoint
 from gossip_pfl.config import RunConfig
 from gossip_pfl.errors import KILLED_EXIT
+from gossip_pfl.metrics import score_entries
 from gossip_pfl.train import Trainer
 
 #: coordinates of the mixed rows sampled to measure the drift of the average (all if fewer)
@@ -80,11 +81,12 @@ class PeerTrainer(Trainer):
         mine = self.peers
         tr_loss, tr_acc, tr_n = (v[mine] for v in self.evaluate(self.train))
         te_loss, te_acc, te_n = (v[mine] for v in self.evaluate(self.test))
+        local = score_entries((tr_loss, tr_acc, tr_n), (te_loss, te_acc, te_n))
         row = {
             "round": t + 1,
             "peers": mine.tolist(),
-            "train_loss": float((tr_loss * tr_n).sum() / max(tr_n.sum(), 1)),
-            "test_accuracy": float(te_acc.mean()),
+            "train_loss": local["train_loss"],
+            "test_accuracy": local["test_accuracy"],  # peers without test samples left out
             "peer_train_loss": tr_loss.tolist(),
             "peer_train_accuracy": tr_acc.tolist(),
             "peer_train_count": tr_n.tolist(),

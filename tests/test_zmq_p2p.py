@@ -376,3 +376,35 @@ def test_a_server_schedule_keeps_the_peers_average(tmp_path, capsys):
     assert main(["merge", str(tmp_path / "run")]) == 0
     assert "gossip-pfl: warning: merge: no consensus distance (" in capsys.readouterr().err
     assert "consensus_distance" not in json.loads((tmp_path / "run" / "summary.json").read_text())
+
+
+def test_a_peer_without_test_samples_is_left_out_of_its_process_mean(tmp_path):
+    """A process's progress figure (its row's and summary's ``test_accuracy``) is the mean over
+    its peers that have test samples, as the merged run's is: a peer without any counted 0."""
+    from _helpers import toy_dataset
+
+    from gossip_pfl.config import load_config
+    from gossip_pfl.peer import PeerTrainer
+    from gossip_pfl.runtime.zmq_comm import ZmqComm
+
+    data = toy_dataset(4)
+    c = data.clients[3]
+    data.clients[3] = type(c)(c.x_train, c.y_train, c.x_val, c.y_val, c.x_test[:0], c.y_test[:0])
+    base = {
+        **CONFIG,
+        "data": {},
+        "rounds": 2,
+        "eval": {"every": 2},
+        "checkpoint_every": 0,
+        "runtime": {**CONFIG["runtime"], "transport": "zmq"},
+        "out": str(tmp_path / "p"),
+    }
+    cfg = load_config(base=base)
+    (tmp_path / "p").mkdir()  # the peer command makes it
+    with ZmqComm(0, _ports(1), "cpu", 20, p2p=True) as comm:
+        trainer = PeerTrainer(cfg, data, comm, lambda *a, **k: None)
+        summary = trainer.run()
+    row = json.loads((tmp_path / "p" / "metrics.jsonl").read_text().splitlines()[-1])
+    assert row["peer_test_count"][3] == 0
+    assert row["test_accuracy"] == pytest.approx(np.mean(row["peer_test_accuracy"][:3]))
+    assert summary["test_accuracy"] == row["test_accuracy"]
