@@ -376,3 +376,33 @@ def test_dfedem_over_zmq_equals_one_process(tmp_path):
         for key in ("test_accuracy", "train_accuracy", "test_accuracy_p10"):
             assert abs(multi[peer][2][key] - summary[key]) < 1e-6
         assert abs(multi[peer][2]["train_loss"] - summary["train_loss"]) < 1e-6
+
+
+def test_ipv6_hosts_in_brackets():
+    """A peers file may name IPv6 hosts as URLs do ([::1]:port): two ranks on the IPv6
+    loopback sum a tensor. A bare IPv6 host is ambiguous with the port and is refused."""
+    import socket
+    import threading
+
+    try:
+        with socket.socket(socket.AF_INET6) as s:
+            s.bind(("::1", 0))
+    except OSError:
+        pytest.skip("no IPv6 loopback here")
+    peers = {r: f"[::1]:{port}" for r, port in enumerate(free_ports(2))}
+    comms = [zc.ZmqComm(r, peers, "cpu", 20) for r in range(2)]
+    out = {}
+
+    def worker(r):
+        out[r] = comms[r].all_reduce_sum(torch.tensor([1.0 + r, 10.0 * r]))
+
+    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    for c in comms:
+        c.close()
+    assert all(torch.equal(out[r], torch.tensor([3.0, 10.0])) for r in range(2)), out
+    with pytest.raises(GossipError, match=r"write an IPv6 host in brackets, \[::1\]:5555"):
+        zc.read_peers({0: "::1:5555"})

@@ -160,9 +160,13 @@ def read_peers(peers: str | Path | dict) -> dict[int, str]:
 
 
 def _check_address(addr: str, what: str) -> str:
+    """``host:port``, an IPv6 host in brackets (``[::1]:5555``, as in a URL)."""
     host, sep, port = addr.rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise GossipError(f"{what}: address {addr!r} is not host:port")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise GossipError(f"{what}: address {addr!r}: write an IPv6 host in brackets, "
+                          f"[{host}]:{port}")  # fmt: skip
     return f"{host}:{int(port)}"
 
 
@@ -315,6 +319,7 @@ class ZmqComm:
         # next frames fault their pages in again (about half the bytes received here)
         keep_freed_memory()
         self._ctx = zmq.Context(io_threads=IO_THREADS)
+        self._ctx.ipv6 = True  # IPv6 hosts ([::1]) too; IPv4 ones work as before
         self._pull = self._ctx.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         host, port = self.peers[rank].rsplit(":", 1)
