@@ -297,12 +297,12 @@ def _kind(value: object) -> str:
     return f"an {name}" if name[:1] in "aeiou" else f"a {name}"
 
 
-# keys added after checkpoints were made, with the behaviour those checkpoints ran under
-_BEFORE_KEY = {"algorithm.loss_divisor": "batch_size"}
-
-
-def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str]:
-    """Dotted keys whose values differ between two resolved configs (ignoring 'out')."""
+def config_differences(
+    saved: dict, current: dict, before: dict | None = None, prefix: str = ""
+) -> list[str]:
+    """Dotted keys whose values differ between two resolved configs (ignoring 'out');
+    ``before`` gives the value of a key the saved config predates."""
+    before = before or {}
     keys = sorted(set(saved) | set(current))
     diffs = []
     for key in keys:
@@ -312,20 +312,19 @@ def config_differences(saved: dict, current: dict, prefix: str = "") -> list[str
             # backend, batching, call sizes: like the number of ranks, these change float
             # rounding, not the algorithm) may change
             continue
-        a, b = saved.get(key, _BEFORE_KEY.get(path)), current.get(key)
+        a, b = saved.get(key, before.get(path)), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            diffs += config_differences(a, b, f"{path}.")
+            diffs += config_differences(a, b, before, f"{path}.")
         elif a != b:
             diffs.append(path)
     return diffs
 
 
-def saved_value(saved: dict, path: str):
-    """The checkpoint's value of a dotted key (for a key it predates, the behaviour it ran
-    under)."""
+def saved_value(saved: dict, path: str, before: dict | None = None):
+    """The checkpoint's value of a dotted key (for a key it predates, ``before``'s)."""
     node = saved
     for part in path.split("."):
         if not isinstance(node, dict) or part not in node:
-            return _BEFORE_KEY.get(path)
+            return (before or {}).get(path)
         node = node[part]
     return node

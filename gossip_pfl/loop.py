@@ -63,14 +63,19 @@ class RoundLoop:
     def describe(self) -> str:
         raise NotImplementedError
 
+    def keys_before(self) -> dict:
+        """For config keys added after a checkpoint was made, the value it ran under (dotted
+        key -> value); a key this workload does not read ran under any value."""
+        return {"algorithm.loss_divisor": self.cfg.algorithm.loss_divisor}
+
     def check_resumable(self, state: dict, where: str) -> None:
         """A loaded checkpoint can go on under this config: same keys, rounds left."""
         from gossip_pfl.checkpoint import config_differences, saved_value
 
-        saved = state.get("config", {})
-        diffs = config_differences(saved, to_dict(self.cfg))
+        saved, before = state.get("config", {}), self.keys_before()
+        diffs = config_differences(saved, to_dict(self.cfg), before)
         if diffs:
-            was = ", ".join(f"{k}={saved_value(saved, k)}" for k in diffs)
+            was = ", ".join(f"{k}={saved_value(saved, k, before)}" for k in diffs)
             raise GossipError(
                 f"{where}: the checkpoint was made with a different config "
                 f"(keys differ: {', '.join(diffs)}; the checkpoint's: {was})"

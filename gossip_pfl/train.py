@@ -218,7 +218,8 @@ class Trainer(RoundLoop):
             n_nodes = max(p.size for p in self.schedule.phases(0))
         self.n_local_nodes = len(self.placement.nodes(n_nodes))
         need, have = self.n_local_nodes * self.M * self.layout.numel * 4, device_memory(self.device)
-        if need > have:  # before torch draws M models (10**8 of them spun for minutes)
+        # before torch draws M models (10**8 of them spun for minutes)
+        if have is not None and need > have:
             raise GossipError(
                 f"the shared state alone needs {self.n_local_nodes} nodes x "
                 f"algorithm.components {self.M} x {self.layout.numel:,} parameters x 4 bytes = "
@@ -592,13 +593,18 @@ class Trainer(RoundLoop):
             losses = self.train_losses(theta_u, self.unseen_train)
             iters = 1 if self.cfg.eval.unseen_em == "one_step" else 300
             personal["pi"] = fit_mixture_weights(losses, self.unseen_train.mask, iters)
+        theta_u = self.surrogate.eval_state(theta_u, personal)  # pFedMe, APFL: personal models
         nll, acc = self.scores(self.unseen_test, theta_u, personal)
         return tuple(self.gather([nll, acc, self.unseen_test.counts], self.unseen_pos, n_unseen))
 
+    def keys_before(self) -> dict:
+        """Before ``algorithm.loss_divisor`` existed, every minibatch was divided by B."""
+        return {"algorithm.loss_divisor": "batch_size"}
+
     def finetune_unseen(self, theta: torch.Tensor, personal: dict) -> None:
         """``eval.finetune_epochs`` of plain SGD at ``algorithm.lr`` on each unseen client's
-        training data, in place on ``theta`` (U, M, P): what :meth:`evaluate` does for the
-        seen peers (no momentum, decay or rule correction; minibatches from stream 1 of
+        training data, in place on ``theta`` (U, M, P) and ``personal``: what :meth:`evaluate`
+        does for the seen peers (no momentum, decay or rule correction; minibatches from stream 1 of
         (seed, client, round)), through the surrogate's generic gradient."""
         split, a = self.unseen_train, self.cfg.algorithm
         ids = self.unseen_ids[self.unseen_pos]
@@ -608,8 +614,7 @@ class Trainer(RoundLoop):
         for st in step_plan(idx, weight, split.y.shape[1], self.device):
             x, y = split.take_flat(st.flat, st.shape)
             sw = st.weight[:, None, :].expand(-1, self.M, -1)
-            mine = {k: v[st.rows] for k, v in personal.items()}
-            grad, _ = self.surrogate.shared_grad(self, theta[st.sel], mine, st.rows, x, y, sw)
+            grad, _ = self.surrogate.shared_grad(self, theta[st.sel], personal, st.rows, x, y, sw)
             theta.index_add_(0, st.rows, grad, alpha=-a.lr)
 
     @torch.no_grad()

@@ -697,6 +697,27 @@ def test_fedavg_plus_fine_tunes_an_unseen_client_as_a_per_client_loop(tmp_path):
     assert acc[0] == pytest.approx(want)
 
 
+@pytest.mark.parametrize("name", ["pfedme", "apfl"])
+def test_unseen_clients_fine_tune_their_personal_models(name, tmp_path):
+    """pFedMe and APFL with ``eval.finetune_epochs``: two unseen clients of 20 and 111
+    samples (their epochs end at different steps) fine-tune their personal state on the full
+    rows, as local_steps does, and are scored through it (eval_state). This was an IndexError
+    (the step's rows indexed into a copy already cut to them)."""
+    cfg = make_cfg(tmp_path, "server", name, rounds=2, lr=0.1, personal_lr=0.02)
+    cfg.eval.finetune_epochs = 1
+    data = toy_dataset(8)
+    data.unseen = [0, 7]
+    tr = Trainer(cfg, dataset=data, log=lambda *a: None)
+    for t in range(2):
+        tr.local_work(t)
+        tr.communicate(t)
+    nll, acc, _ = tr.evaluate_unseen()
+    tr.finetune_epochs = 0
+    plain_nll, _, _ = tr.evaluate_unseen()
+    assert np.isfinite(nll).all() and (0 <= acc).all() and (acc <= 1).all()
+    assert (np.abs(nll - plain_nll) > 1e-4).all()  # both personal models were tuned and used
+
+
 def test_components_beyond_the_memory_are_refused_with_the_arithmetic(tmp_path):
     """10**11 components of the toy model: the error gives the product, at once (drawing them
     first spun for minutes)."""

@@ -185,11 +185,15 @@ def resolve_device(device: str) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def device_memory(device: torch.device) -> int:
-    """Bytes of memory on ``device``: the GPU's total, or this machine's physical memory."""
+def device_memory(device: torch.device) -> int | None:
+    """Bytes of memory on ``device``: the GPU's total, or this machine's physical memory
+    (None where the OS does not say)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1]
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return None
 
 
 def set_cuda_numerics(tf32: bool, deterministic: bool) -> None:
