@@ -156,8 +156,9 @@ class ExpFamConfig:
 @dataclass
 class EvalConfig:
     every: int = 10  #: evaluate every k rounds (and after the last)
-    #: local epochs of plain SGD on a copy of each peer's model before it is evaluated
-    #: (FedAvg+); unset: the algorithm's default (1 for fedavg_plus, else 0)
+    #: local epochs of plain SGD on a copy of each peer's model (and of an unseen client's
+    #: average model) before it is evaluated (FedAvg+); unset: the algorithm's default (1 for
+    #: fedavg_plus, else 0)
     finetune_epochs: int | None = None
     chunk: int = 0  #: samples per evaluation forward, all peers (0: model's hint or 16384)
     unseen_em: str = "converge"  #: converge | one_step (the paper's experiments)
