@@ -276,3 +276,23 @@ def test_cpu_max_pool_gives_torch_max_pool_bits(grad):
             ya.backward(g)
             yb.backward(g)
             assert torch.equal(a.grad, b.grad) and b.grad.stride() == b.stride()
+
+
+def test_pcg64_states_are_numpys_seeding():
+    """The plan's generators are set from states worked out for all peers at once; they are
+    NumPy's PCG64(SeedSequence(key)) states, and draw what default_rng(key) draws, for keys
+    across the uint32 range (its edges included)."""
+    from gossip_pfl.runtime.data import _KeyedGenerators, _pcg64_states
+
+    rng = np.random.default_rng(1)
+    words = rng.integers(0, 2**32, size=(3000, 4), dtype=np.uint64).astype(np.uint32)
+    words[:4] = [[0, 0, 0, 0], [2**32 - 1] * 4, [0, 2**32 - 1, 0, 1], [1234, 7, 199, 1]]
+    for k, (state, inc) in enumerate(_pcg64_states(words)):
+        want = np.random.PCG64(np.random.SeedSequence(words[k])).state["state"]
+        assert (state, inc) == (want["state"], want["inc"]), k
+    peers = np.array([0, 5, 2**32 - 1, 17])
+    gens = _KeyedGenerators(2**32 - 2, 199, 1, peers)
+    for row, peer in enumerate(peers):
+        draws = gens.at(row).permutation(50)
+        want = np.random.default_rng([2**32 - 2, int(peer), 199, 1]).permutation(50)
+        assert np.array_equal(draws, want)
