@@ -5,6 +5,9 @@ runs in a fresh process, so its peak resident memory is its own.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_scale.py [--peers 1000,3000,10000] [--rounds 3]
 
+"plan ms" times a round's minibatch plan alone (round_batches; in a run it is drawn a round
+ahead on a background thread).
+
 The schedule is a ring (Metropolis weights, two neighbours: the gossip stays sparse); each
 client keeps the synthetic generator's sizes and 20 test samples (evaluation is not timed).
 """
@@ -23,6 +26,7 @@ import time
 def one(peers: int, rounds: int) -> dict:
     from gossip_pfl.config import load_config
     from gossip_pfl.data import load_dataset
+    from gossip_pfl.runtime.data import round_batches
     from gossip_pfl.train import Trainer
 
     t0 = time.perf_counter()
@@ -46,12 +50,18 @@ def one(peers: int, rounds: int) -> dict:
         tr.communicate(t, active)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
+    plan = []  # a round's minibatch plan alone (drawn on the planner's thread in a run)
+    for t in range(5):
+        t0 = time.perf_counter()
+        round_batches(tr.counts, tr.train_ids[tr.peers], cfg.seed, t, 128, 1, None, 0, True)
+        plan.append(time.perf_counter() - t0)
     return {
         "peers": peers,
         "samples": int(tr.counts.sum()),
         "n_max": int(tr.train.y.shape[1]),
         "seconds_per_round": statistics.median(times[1:]),
         "cpu_seconds_per_round": statistics.median(cpu[1:]),  # all threads: robust to load
+        "plan_ms": 1e3 * statistics.median(plan),
         "setup_seconds": setup,
         "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
@@ -66,9 +76,9 @@ def main() -> None:
     if args.one:
         print(json.dumps(one(args.one, args.rounds)))
         return
-    print("| peers | samples | padded to | s/round | CPU s/round | peak RSS GB | GB per 1k peers "
-          "| setup s |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| peers | samples | padded to | s/round | CPU s/round | plan ms | peak RSS GB | "
+          "GB per 1k peers | setup s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in map(int, args.peers.split(",")):
         cmd = [sys.executable, __file__, "--one", str(n), "--rounds", str(args.rounds)]
         out = subprocess.run(cmd, capture_output=True, text=True)
@@ -81,7 +91,7 @@ def main() -> None:
         r = json.loads(out.stdout.strip().splitlines()[-1])
         print(
             f"| {n} | {r['samples']} | {r['n_max']} | {r['seconds_per_round']:.3f} | "
-            f"{r['cpu_seconds_per_round']:.3f} | "
+            f"{r['cpu_seconds_per_round']:.3f} | {r['plan_ms']:.0f} | "
             f"{r['peak_rss_gb']:.2f} | {r['peak_rss_gb'] / n * 1000:.3f} | "
             f"{r['setup_seconds']:.1f} |"
         )
