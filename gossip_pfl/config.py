@@ -537,6 +537,8 @@ def _expfam_checks(cfg: RunConfig) -> list[tuple[bool, str, str]]:
         (e.split in ("iid", "mixed", "sorted"), "expfam.split", "must be iid|mixed|sorted"),
         (e.dim >= 2, "expfam.dim", "must be >= 2"),
         (0 <= e.missing < 1, "expfam.missing", "must be in [0, 1)"),
+        (e.missing > 0 or e.model != "imputation", "expfam.missing",
+         "must be > 0 for imputation (with nothing hidden there is nothing to impute)"),
         (1 <= e.pca <= 784, "expfam.pca", "must be in 1..784"),
         (e.model in models, "expfam.model", "must be " + "|".join(models)),
         (e.model == "imputation" or e.data != "lowrank", "expfam.model",

@@ -289,7 +289,9 @@ def plot_consensus(runs: list[Run]) -> Figure:
     positive = False
     for i, (run, label, color) in enumerate(zip(runs, _labels(runs), _colors(len(runs)))):
         y = consensus_max(run)
-        if not (y > 0).any():
+        if np.isnan(y).all():
+            label = f"{label} (not recorded)"
+        elif not (y > 0).any():
             label = f"{label} (distance 0, not drawn)"
         positive = positive or bool((y > 0).any())
         y = np.where(y > 0, y, np.nan)

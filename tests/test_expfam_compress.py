@@ -25,6 +25,9 @@ COMPRESSORS = [
     BlockQuantization(blocks=4, p=2),
     BlockQuantization(blocks=(3, 7, 2), p=1),
     BlockQuantization(blocks=5, p=math.inf),
+    # |x_i|^r underflows for a large r: every message was 0 (the norm came out 0)
+    RandomDithering(levels=2, norm=1e4),
+    BlockQuantization(blocks=4, p=1e4),
 ]
 
 

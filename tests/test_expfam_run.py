@@ -177,6 +177,7 @@ def test_cli_run_prints_em_results(tmp_path, capsys):
         ("expfam.components=0", "expfam.components"),
         ("expfam.rank=10", "expfam.rank"),
         ("expfam.missing=0.95", "expfam.missing"),  # d = 2: most rows have nothing observed
+        ("expfam.missing=0", "expfam.missing"),  # reported a perfect imputation of nothing
         # keys of the model workloads went unheeded
         ("data.n_clients=3", "data.n_clients=3 are for model workloads"),
         ("model.name=mlp", "model.name='mlp' are for model workloads"),

@@ -310,3 +310,17 @@ def test_error_labels_count(two_runs, tmp_path, capsys):
     err = _one_error_line(capsys)
     assert "--labels has 1 label(s) but 2 RUN_DIR(s)" in err
     assert not out.exists()
+
+
+def test_a_run_without_consensus_distances_says_not_recorded(tmp_path):
+    """A merged p2p run has no consensus distance in its rows: the legend said "distance 0"."""
+    run = write_run(tmp_path, "p2p", "dfedem")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        del r["consensus_distance"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    zero = write_run(tmp_path, "local", "local", consensus=0.0)
+    cons = plots.plot_consensus([plots.load_run(run), plots.load_run(zero)])
+    texts = [t.get_text() for t in cons.axes[0].get_legend().get_texts()]
+    assert any(t.endswith("(not recorded)") for t in texts), texts
+    assert any(t.endswith("(distance 0, not drawn)") for t in texts), texts

@@ -18,8 +18,18 @@ import torch
 from gossip_pfl.errors import GossipError
 
 
-def _norm(x: torch.Tensor, r: float) -> torch.Tensor:
-    return torch.linalg.vector_norm(x, ord=r, dim=-1, keepdim=True)
+def _norm(x: torch.Tensor, r: float, keepdim: bool = True) -> torch.Tensor:
+    """||x||_r over the last dimension. torch sums |x_i|^r, which underflows to 0 (or
+    overflows) for a large r: r = 1e4 made every message 0. Such vectors are computed again
+    as m ||x / m||_r, m = max |x_i|; the others keep torch's rounding."""
+    out = torch.linalg.vector_norm(x, ord=r, dim=-1, keepdim=True)
+    m = x.abs().amax(dim=-1, keepdim=True)
+    bad = ((out == 0) & (m > 0)) | ~torch.isfinite(out)
+    if bad.any():
+        scaled = torch.linalg.vector_norm(x / m.clamp_min(torch.finfo(x.dtype).tiny), ord=r,
+                                          dim=-1, keepdim=True)  # fmt: skip
+        out = torch.where(bad, m * scaled, out)
+    return out if keepdim else out.squeeze(-1)
 
 
 def _ratio_to_l2(q: int, r: float) -> float:
@@ -136,7 +146,7 @@ class BlockQuantization:
         out = torch.zeros(x.shape[:-1], dtype=x.dtype)
         for blk in torch.split(x, self.sizes(x.shape[-1]), dim=-1):
             l1 = torch.linalg.vector_norm(blk, 1, dim=-1)
-            lp = torch.linalg.vector_norm(blk, self.p, dim=-1)
+            lp = _norm(blk, self.p, keepdim=False)
             out = out + l1 * lp - (blk**2).sum(-1)
         return out
 
