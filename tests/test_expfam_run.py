@@ -196,3 +196,35 @@ def test_bad_input_is_a_one_line_error_naming_the_key(override, key, tmp_path, c
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and key in err[0], err
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        # the hunt's cases: a LinAlgError traceback (Cholesky of a covariance that is not
+        # positive definite), and values past float range written to summary.json
+        (["expfam.gamma=1e200"], "round 2: the statistics S map to a singular model"),
+        (["expfam.gamma=1e200", "expfam.model=gmm_diag"], "round 1: the statistics S became"),
+        (["expfam.clients=1", "expfam.samples=2"], "the model at start is singular on this "
+                                                   "data (2 samples in all, dimension 2)"),
+    ],
+)  # fmt: skip
+def test_em_leaving_the_valid_set_stops_with_one_line(overrides, message, tmp_path, capsys):
+    args = [
+        "run",
+        _config_file(tmp_path),
+        "--out",
+        str(tmp_path / "run"),
+        "--quiet",
+        "--set",
+        "rounds=5",
+        "--set",
+        "expfam.clients=3",
+        "--set",
+        "expfam.samples=10",
+    ]
+    for o in overrides:
+        args += ["--set", o]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

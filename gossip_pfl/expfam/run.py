@@ -189,7 +189,14 @@ class ExpFamRun(RoundLoop):
         self.N = int(self.data.counts.sum())
 
         # S_0: one E-step at the initial parameters; V_{0,i} = h_i(S_0) (2 N expectations)
-        S0 = self.weighted_sum(self.full_means(theta0(cfg.seed)))
+        try:
+            S0 = self.weighted_sum(self.full_means(theta0(cfg.seed)))
+        except torch.linalg.LinAlgError:
+            raise GossipError(
+                f"the model at start is singular on this data ({self.N} samples in all, "
+                f"dimension {self.x.shape[-1]}): give the clients more samples (expfam.samples, "
+                f"expfam.clients) or fewer components (expfam.components)"
+            ) from None
         L = len(self.peers)
         if naive or e.init_memory == "zero":
             V_i = torch.zeros(L, self.q, dtype=DTYPE, device=dev)
@@ -266,6 +273,16 @@ class ExpFamRun(RoundLoop):
     def local_work(self, t: int, active: np.ndarray | None = None) -> None:
         """The participants' estimate of sbar_i(T(S_k)) and compressed increment (zero for the
         others, which keep their memory)."""
+        try:
+            self._local_work(t, active)
+        except torch.linalg.LinAlgError:  # T(S) is a singular model: S left the valid set
+            raise GossipError(
+                f"round {t + 1}: the statistics S map to a singular model (a covariance that is "
+                f"not positive definite): lower expfam.gamma (now {self.e.gamma}) or raise "
+                f"expfam.batch (now {self.e.batch})"
+            ) from None
+
+    def _local_work(self, t: int, active: np.ndarray | None) -> None:
         L = len(self.peers)
         mine = torch.as_tensor(active[self.peers], device=self.device)
         rows = mine.nonzero()[:, 0]
@@ -297,6 +314,9 @@ class ExpFamRun(RoundLoop):
         else:
             self._gossip(t, active)
         self.outbox = None
+        if not torch.isfinite(self.S).all():  # the model workloads stop the same way
+            raise GossipError(f"round {t + 1}: the statistics S became NaN/inf; lower "
+                              f"expfam.gamma (now {self.e.gamma})")  # fmt: skip
 
     def _star(self, t: int, active: np.ndarray) -> None:
         """Up: the hub receives the participants' weighted mean; the hub's rule; down: every
