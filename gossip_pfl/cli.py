@@ -62,13 +62,18 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _warning_line
-            return int(args.func(args) or 0)
+            code = int(args.func(args) or 0)
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+            return code
     except (GossipError, TopologyError) as err:
         print(f"gossip-pfl: error: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gossip-pfl: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `| head` stopped reading: no traceback, and none at exit either
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":

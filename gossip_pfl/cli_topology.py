@@ -10,6 +10,7 @@ import argparse
 import csv
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +174,23 @@ def load(path: str) -> MixingSchedule:
         raise TopologyError(f"{path}: {_one_line(err)}") from None
 
 
+def _check_dense(source: str, n: int) -> None:
+    """The analyses hold a few dense n x n float64 matrices (window products, spectra): refuse
+    an n whose three would not fit in this machine's memory, before numpy tries (n = 30,000
+    was killed for memory, n = 100,000 asked for 74.5 GiB at once)."""
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # the OS does not say: let numpy try
+        return
+    one = n * n * 8
+    if 3 * one > memory:
+        raise TopologyError(
+            f"{source}: n = {n:,}: the analysis holds dense n x n matrices of n^2 x 8 bytes "
+            f"= {one / 2**30:,.1f} GiB each, three at a time, more than this machine's "
+            f"{memory / 2**30:,.1f} GiB"
+        )
+
+
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
@@ -241,6 +259,7 @@ def _study(name: str, source: str, schedule: MixingSchedule, args) -> tuple[dict
     if schedule.n < 2:  # its values agree from the start: there is no error to divide by
         raise TopologyError(f"{source}: n = {schedule.n}: a single node is always in "
                             "consensus, nothing to measure (give n >= 2)")  # fmt: skip
+    _check_dense(source, schedule.n)
     tau = _tau(name, schedule, args.horizon)  # first: a disconnected schedule fails fast
     res = consensus_run(schedule, args.rounds, dim=DIM, seed=args.seed)
     row = {
@@ -288,6 +307,9 @@ def _write_consensus(out: Path, rows: list[dict], curves: list, args) -> dict[st
     except OSError as err:
         raise TopologyError(f"cannot create {out}: {_one_line(err)}") from None
     files = {k: str(out / f"consensus.{k}") for k in ("csv", "json", "png")}
+    for path in files.values():  # a folder in a file's place: an IsADirectoryError traceback
+        if Path(path).is_dir():
+            raise TopologyError(f"cannot write {path}: it is a folder")
     with open(files["csv"], "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["round"] + [r["name"] for r in rows])
@@ -335,6 +357,7 @@ def _plot(path: str, rows: list[dict], curves: list) -> None:
 
 def cmd_describe(args: argparse.Namespace) -> int:
     schedule = load(args.spec)
+    _check_dense(args.spec, schedule.n)
     info = describe(schedule, horizon=args.horizon, trials=args.trials, seed=args.seed)
     if info["tau"] is None:
         raise TopologyError(_not_connected(Path(args.spec).stem, args.horizon))

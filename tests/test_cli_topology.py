@@ -260,3 +260,35 @@ def test_export_names_the_file_it_writes(tmp_path, capsys):
     assert main(["topology", "export", RING, "--rounds", "2", "-o", str(tmp_path / "W")]) == 0
     assert f"wrote {tmp_path / 'W.npz'}:" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["W.npz"]
+
+
+def test_an_n_too_large_for_dense_matrices_is_refused_before_numpy_tries(tmp_path, capsys):
+    """n = 300,000: describe and consensus hold dense n x n matrices (670 GiB each); n = 30,000
+    was killed for memory and n = 100,000 a numpy traceback."""
+    spec = tmp_path / "big.yaml"
+    spec.write_text("n: 300000\ngraph: ring\n")
+    for argv in (["topology", "describe", str(spec)], ["consensus", str(spec), "--out",
+                                                        str(tmp_path / "c")]):  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "n = 300,000: the analysis holds dense n x n" in err[0], err
+
+
+def test_a_folder_where_consensus_writes_a_file_is_one_line(tmp_path, capsys, spec_module):
+    (tmp_path / "consensus.csv").mkdir()
+    spec = str(Path(__file__).resolve().parents[1] / "configs" / "topologies" / "ring16.yaml")
+    assert main(["consensus", spec, "--out", str(tmp_path), "--rounds", "5"]) == 2
+    assert "consensus.csv: it is a folder" in capsys.readouterr().err
+
+
+def test_a_closed_pipe_ends_quietly():
+    """`gossip-pfl topology describe ... | head -1`: the reader goes away; no traceback."""
+    import subprocess
+    import sys
+
+    spec = Path(__file__).resolve().parents[1] / "configs" / "topologies" / "ring16.yaml"
+    cmd = [sys.executable, "-m", "gossip_pfl", "topology", "describe", str(spec)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.close()  # nothing will read what it prints
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
