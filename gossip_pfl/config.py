@@ -366,9 +366,25 @@ def load_config(
     return cfg
 
 
+def _check_expfam_heeded(cfg: RunConfig) -> None:
+    """expfam.* keys on a model or PeFLL run went unheeded: an EM config switched to
+    ``algorithm.name=fedavg`` ran FedAvg on the default synthetic data."""
+    from gossip_pfl.algorithms import ALGORITHMS, get_algorithm
+
+    default = ExpFamConfig()
+    if cfg.expfam == default or get_algorithm(cfg.algorithm.name).workload == "expfam":
+        return
+    given = ", ".join(f"expfam.{k}" for k, v in vars(cfg.expfam).items()
+                      if v != getattr(default, k))  # fmt: skip
+    em = ", ".join(k for k, s in ALGORITHMS.items() if s.workload == "expfam")
+    raise GossipError(f"config key(s) {given} are for the EM algorithms ({em}); "
+                      f"'{cfg.algorithm.name}' does not read them")  # fmt: skip
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that need no data, with the key to change in the message."""
     a, r, ls = cfg.algorithm, cfg.rule, cfg.line_search
+    _check_expfam_heeded(cfg)
     checks = [
         (cfg.rounds >= 1, "rounds", "must be >= 1"),
         # torch's seeds are 64-bit: seed * 1009 + m (a component's init) must fit

@@ -178,6 +178,8 @@ def test_cli_run_prints_em_results(tmp_path, capsys):
         ("expfam.rank=10", "expfam.rank"),
         ("expfam.missing=0.95", "expfam.missing"),  # d = 2: most rows have nothing observed
         ("expfam.missing=0", "expfam.missing"),  # reported a perfect imputation of nothing
+        # an EM config switched to a model algorithm ran FedAvg on the default synthetic data
+        ("algorithm.name=fedavg", "expfam.clients, expfam.samples"),
         # keys of the model workloads went unheeded
         ("data.n_clients=3", "data.n_clients=3 are for model workloads"),
         ("model.name=mlp", "model.name='mlp' are for model workloads"),
