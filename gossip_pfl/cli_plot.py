@@ -58,6 +58,21 @@ def cmd_plot(args: argparse.Namespace) -> int:
         if not all(labels):
             raise GossipError(f"--labels {args.labels!r} has an empty label")
     runs = [plots.load_run(path) for path in args.runs]
+    em = [run for run in runs if run.rows and "h_sq" in run.rows[0]]
+    if em:  # EM's rows have no accuracies: the model runs' figures came out empty
+        if len(runs) > 1:
+            raise GossipError(f"{em[0].path} is an EM run (h_sq, H_sq against epochs): plot it "
+                              "alone; it has no accuracies to compare with other runs")  # fmt: skip
+        from gossip_pfl.expfam.run import plot_run
+
+        out = Path(args.out) if args.out else default_out(args.runs)
+        try:
+            paths = plot_run(em[0].path, out)
+        except OSError as err:
+            raise GossipError(f"cannot write {out}: {err.strerror or err}") from None
+        for path in paths:
+            print(f"wrote {path}")
+        return 0
     for run, label in zip(runs, labels or [""] * len(runs)):
         run.label = label
     out = Path(args.out) if args.out else default_out(args.runs)

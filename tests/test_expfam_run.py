@@ -230,3 +230,18 @@ def test_em_leaving_the_valid_set_stops_with_one_line(overrides, message, tmp_pa
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+def test_plot_of_an_em_run_draws_its_own_figure(tmp_path, capsys):
+    """`gossip-pfl plot` on an EM run drew the model runs' six figures, all empty; it now
+    draws EM's (h_sq, H_sq), and refuses to mix an EM run with others."""
+    run = tmp_path / "run"
+    assert main(["run", _config_file(tmp_path), "--out", str(run), "--quiet", "--no-plots",
+                 "--set", "rounds=3"]) == 0  # fmt: skip
+    out = tmp_path / "figs"
+    assert main(["plot", str(run), "--out", str(out)]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["expfam.png"]
+    capsys.readouterr()
+    assert main(["plot", str(run), str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is an EM run" in err[0], err

@@ -517,8 +517,9 @@ def read_rows(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def plot_run(run_dir: Path) -> list[Path]:
-    """||h(S_k)||^2 and ||H_k||^2 (and the mixture weights) against epochs."""
+def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
+    """||h(S_k)||^2 and ||H_k||^2 (and the mixture weights) against epochs, written to
+    ``out`` (default RUN_DIR/plots) as expfam.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -537,7 +538,7 @@ def plot_run(run_dir: Path) -> list[Path]:
         axes[2].plot(ep, [r["mixture_weights"] for r in rows])
         axes[2].set(xlabel="epochs", title="mixture weights")
     fig.tight_layout()
-    out = Path(run_dir) / "plots"
+    out = Path(run_dir) / "plots" if out is None else Path(out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "expfam.png"
     fig.savefig(path, dpi=110)
