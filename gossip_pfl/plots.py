@@ -460,6 +460,12 @@ def plot_mixture_weights(runs: list[Run]) -> Figure:
     return fig
 
 
+def _bad_value(figure: str, runs: list[Run], err: Exception) -> str:
+    folders = ", ".join(str(run.path) for run in runs)
+    return (f"{figure}: a value in metrics.jsonl or summary.json of {folders} is not a number "
+            f"or list of numbers ({_one_line(err)})")  # fmt: skip
+
+
 def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
     """Save every figure of :data:`PLOTS` as ``out/<name>.png``, and
     ``mixture_weights_vs_round.png`` when a run has mixture weights; the paths written."""
@@ -470,11 +476,17 @@ def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
         raise GossipError(f"cannot create {out}: {_one_line(err)}") from None
     paths = []
     figures = dict(PLOTS)
-    if any(mixture_weights(run) is not None for run in runs):
-        figures["mixture_weights_vs_round"] = plot_mixture_weights
+    try:
+        if any(mixture_weights(run) is not None for run in runs):
+            figures["mixture_weights_vs_round"] = plot_mixture_weights
+    except (TypeError, ValueError) as err:
+        raise GossipError(_bad_value("mixture weights", runs, err)) from None
     for name, fn in figures.items():
         path = out / f"{name}.png"
-        fig = fn(runs)
+        try:
+            fig = fn(runs)
+        except (TypeError, ValueError) as err:  # e.g. "consensus_distance": "x"
+            raise GossipError(_bad_value(name, runs, err)) from None
         try:
             fig.savefig(path, dpi=DPI)
         except OSError as err:

@@ -324,3 +324,22 @@ def test_a_run_without_consensus_distances_says_not_recorded(tmp_path):
     texts = [t.get_text() for t in cons.axes[0].get_legend().get_texts()]
     assert any(t.endswith("(not recorded)") for t in texts), texts
     assert any(t.endswith("(distance 0, not drawn)") for t in texts), texts
+
+
+@pytest.mark.parametrize(
+    "file, text",
+    [
+        ("metrics.jsonl", '{"round": 2, "consensus_distance": "x"}\n'),
+        ("metrics.jsonl", '{"round": 2, "client_test_accuracy": {"a": 1}}\n'),
+        ("summary.json", '{"client_test_accuracy": "abc"}'),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_one_line(file, text, tmp_path, capsys):
+    """Each was a ValueError or TypeError traceback from a figure."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"round": 2}\n')
+    (run / file).write_text(text)
+    assert main(["plot", str(run), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a number or list of numbers" in err[0], err
