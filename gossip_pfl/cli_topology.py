@@ -22,6 +22,7 @@ from topologies.analysis import (
     consensus_run,
     describe,
     schedule_rho,
+    union_components,
 )
 
 #: the built-in demo of ``gossip-pfl consensus`` (no spec given): name -> spec dict
@@ -204,14 +205,21 @@ def _from_dict(spec: dict) -> MixingSchedule:
 def _tau(name: str, schedule: MixingSchedule, horizon: int) -> int:
     tau = connectivity_tau(schedule, horizon)
     if tau is None:
-        raise TopologyError(_not_connected(name, horizon))
+        raise TopologyError(_not_connected(name, horizon, schedule))
     return tau
 
 
-def _not_connected(name: str, horizon: int) -> str:
+def _not_connected(name: str, horizon: int, schedule: MixingSchedule) -> str:
+    """Why no window of at most ``horizon`` rounds connects the peers: the components of
+    their links' union (a ring whose links all fail said only "increase --horizon")."""
+    parts = union_components(schedule, horizon)
+    why = ""
+    if len(parts) > 1:
+        why = (f": over these rounds their links join the {schedule.n} peers into {len(parts)} "
+               f"components (the smallest holds peers {sorted(parts[0])[:5]})")  # fmt: skip
     return (
         f"{name}: schedule is not connected within the horizon of {horizon} rounds "
-        f"(no tau <= {horizon}); increase --horizon"
+        f"(no tau <= {horizon}){why}; increase --horizon if its links join later"
     )
 
 
@@ -360,7 +368,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
     _check_dense(args.spec, schedule.n)
     info = describe(schedule, horizon=args.horizon, trials=args.trials, seed=args.seed)
     if info["tau"] is None:
-        raise TopologyError(_not_connected(Path(args.spec).stem, args.horizon))
+        raise TopologyError(_not_connected(Path(args.spec).stem, args.horizon, schedule))
     labels = getattr(schedule, "labels", None)
     if labels is not None:  # peer i is the graph's node labels[i]
         info["labels"] = [x if isinstance(x, (int, float)) else str(x) for x in labels]

@@ -292,3 +292,12 @@ def test_a_closed_pipe_ends_quietly():
     proc.stdout.close()  # nothing will read what it prints
     err = proc.stderr.read().decode()
     assert proc.wait(60) == 1 and "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+def test_a_schedule_that_never_links_says_so(tmp_path, capsys, spec_module):
+    """A ring whose links all fail (q = 1): the message said only "increase --horizon"."""
+    spec = tmp_path / "q1.yaml"
+    spec.write_text("n: 8\ngraph: ring\ntime_varying: {kind: link_failure, q: 1}\n")
+    assert main(["topology", "describe", str(spec), "--horizon", "2000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "links join the 8 peers into 8 components" in err[0], err

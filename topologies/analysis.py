@@ -679,6 +679,26 @@ def schedule_rho(schedule: MixingSchedule, horizon: int = 100, trials: int = 20)
     return max(rho(_window_product(schedule, t, 1)) for t in range(span))
 
 
+def union_components(schedule: MixingSchedule, horizon: int = 100) -> list[set]:
+    """Connected components of the union of the links of rounds ``0 .. horizon-1`` (one
+    period of a periodic schedule), smallest first: what never mixes with what.
+
+    Examples
+    --------
+    >>> union_components(ExplicitSchedule([np.eye(3)]))
+    [{0}, {1}, {2}]
+    """
+    import networkx as nx
+
+    _check_horizon(horizon)
+    union = nx.Graph()
+    union.add_nodes_from(range(schedule.n))
+    for t in range(min(horizon, schedule.period or horizon)):
+        r, c, _ = _effective_coo(schedule, t)
+        union.add_edges_from(zip(r[r != c].tolist(), c[r != c].tolist()))
+    return sorted(nx.connected_components(union), key=len)
+
+
 def check_mixing(schedule: MixingSchedule, horizon: int = 100) -> None:
     """Raise unless the schedule can mix, with the figures that show why not: its W_t over the
     first ``horizon`` rounds never connect all peers (gossip would then be training alone), or
@@ -691,16 +711,9 @@ def check_mixing(schedule: MixingSchedule, horizon: int = 100) -> None:
     ...
     topologies._base.TopologyError: schedule ... never connects all 3 peers within 100 rounds ...
     """
-    import networkx as nx
-
     n, h = schedule.n, min(horizon, schedule.period or horizon)
     if n > 1 and connectivity_tau(schedule, horizon) is None:
-        union = nx.Graph()
-        union.add_nodes_from(range(n))
-        for t in range(h):
-            r, c, _ = _effective_coo(schedule, t)
-            union.add_edges_from(zip(r[r != c].tolist(), c[r != c].tolist()))
-        parts = sorted(nx.connected_components(union), key=len)
+        parts = union_components(schedule, horizon)
         raise TopologyError(
             f"schedule {schedule!r} never connects all {n} peers within {horizon} rounds (their "
             f"union has {len(parts)} components; the smallest holds peers "
