@@ -398,6 +398,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.suffix != ".npz":  # NumPy adds it: say the name that is written
         out = out.with_name(out.name + ".npz")
+    blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
+    if blocker is not None:  # mkdir said "[Errno 17] File exists"
+        raise TopologyError(f"cannot write {out}: {blocker} is a file, not a folder")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         save_npz(schedule, out, rounds=args.rounds)

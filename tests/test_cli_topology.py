@@ -260,6 +260,12 @@ def test_export_names_the_file_it_writes(tmp_path, capsys):
     assert main(["topology", "export", RING, "--rounds", "2", "-o", str(tmp_path / "W")]) == 0
     assert f"wrote {tmp_path / 'W.npz'}:" in capsys.readouterr().out
     assert sorted(p.name for p in tmp_path.iterdir()) == ["W.npz"]
+    (tmp_path / "w.yaml").write_text("")  # a file where a folder would go: "File exists"
+    assert (
+        main(["topology", "export", RING, "--rounds", "2", "-o", str(tmp_path / "w.yaml" / "x")])
+        == 2
+    )
+    assert f"{tmp_path / 'w.yaml'} is a file, not a folder" in capsys.readouterr().err
 
 
 def test_an_n_too_large_for_dense_matrices_is_refused_before_numpy_tries(tmp_path, capsys):
