@@ -58,6 +58,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         if not all(labels):
             raise GossipError(f"--labels {args.labels!r} has an empty label")
     runs = [plots.load_run(path) for path in args.runs]
+    out = Path(args.out) if args.out else default_out(args.runs)
     em = [run for run in runs if run.rows and "h_sq" in run.rows[0]]
     if em:  # EM's rows have no accuracies: the model runs' figures came out empty
         if len(runs) > 1:
@@ -65,7 +66,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
                               "alone; it has no accuracies to compare with other runs")  # fmt: skip
         from gossip_pfl.expfam.run import plot_run
 
-        out = Path(args.out) if args.out else default_out(args.runs)
         try:
             paths = plot_run(em[0].path, out)
         except OSError as err:
@@ -75,7 +75,6 @@ def cmd_plot(args: argparse.Namespace) -> int:
         return 0
     for run, label in zip(runs, labels or [""] * len(runs)):
         run.label = label
-    out = Path(args.out) if args.out else default_out(args.runs)
     paths = plots.write_plots(runs, out)
     names = plots.default_labels(runs) if labels is None else labels
     print(f"plotted {len(runs)} run(s): " + ", ".join(names))

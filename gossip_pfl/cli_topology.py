@@ -10,7 +10,6 @@ import argparse
 import csv
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any
 
@@ -179,12 +178,11 @@ def _check_dense(source: str, n: int) -> None:
     """The analyses hold a few dense n x n float64 matrices (window products, spectra): refuse
     an n whose three would not fit in this machine's memory, before numpy tries (n = 30,000
     was killed for memory, n = 100,000 asked for 74.5 GiB at once)."""
-    try:
-        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # the OS does not say: let numpy try
-        return
+    from gossip_pfl.runtime.threads import physical_memory
+
+    memory = physical_memory()
     one = n * n * 8
-    if 3 * one > memory:
+    if memory is not None and 3 * one > memory:  # None: the OS does not say, numpy tries
         raise TopologyError(
             f"{source}: n = {n:,}: the analysis holds dense n x n matrices of n^2 x 8 bytes "
             f"= {one / 2**30:,.1f} GiB each, three at a time, more than this machine's "

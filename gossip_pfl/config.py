@@ -366,25 +366,24 @@ def load_config(
     return cfg
 
 
-def _check_expfam_heeded(cfg: RunConfig) -> None:
-    """expfam.* keys on a model or PeFLL run went unheeded: an EM config switched to
-    ``algorithm.name=fedavg`` ran FedAvg on the default synthetic data."""
-    from gossip_pfl.algorithms import ALGORITHMS, get_algorithm
-
-    default = ExpFamConfig()
-    if cfg.expfam == default or get_algorithm(cfg.algorithm.name).workload == "expfam":
-        return
-    given = ", ".join(f"expfam.{k}" for k, v in vars(cfg.expfam).items()
-                      if v != getattr(default, k))  # fmt: skip
-    em = ", ".join(k for k, s in ALGORITHMS.items() if s.workload == "expfam")
-    raise GossipError(f"config key(s) {given} are for the EM algorithms ({em}); "
-                      f"'{cfg.algorithm.name}' does not read them")  # fmt: skip
+def _changed(section: str, value, default) -> str:
+    """The dotted keys of a config section that differ from its defaults, comma-separated
+    ("" when none)."""
+    return ", ".join(f"{section}.{k}" for k, v in vars(value).items() if v != getattr(default, k))
 
 
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that need no data, with the key to change in the message."""
+    from gossip_pfl.algorithms import ALGORITHMS, get_algorithm
+
     a, r, ls = cfg.algorithm, cfg.rule, cfg.line_search
-    _check_expfam_heeded(cfg)
+    spec = get_algorithm(a.name)  # an unknown name fails here, before any data is built
+    # first: expfam.* on a model or PeFLL run went unheeded (an EM config switched to
+    # algorithm.name=fedavg ran FedAvg on the default synthetic data)
+    if spec.workload != "expfam" and (given := _changed("expfam", cfg.expfam, ExpFamConfig())):
+        em = ", ".join(k for k, s in ALGORITHMS.items() if s.workload == "expfam")
+        raise GossipError(f"config key(s) {given} are for the EM algorithms ({em}); "
+                          f"'{a.name}' does not read them")  # fmt: skip
     checks = [
         (cfg.rounds >= 1, "rounds", "must be >= 1"),
         # torch's seeds are 64-bit: seed * 1009 + m (a component's init) must fit
@@ -455,13 +454,7 @@ def validate(cfg: RunConfig) -> None:
     for key, value in _floats(cfg):
         if not math.isfinite(value):
             raise GossipError(f"config key '{key}' must be a finite number (got {value!r})")
-    from gossip_pfl.algorithms import get_algorithm
-
-    spec = get_algorithm(a.name)  # an unknown name fails here, before any data is built
-    default_rule = RuleConfig()
-    if spec.workload != "model" and cfg.rule != default_rule:  # it would go unheeded
-        given = ", ".join(f"rule.{k}" for k, v in vars(cfg.rule).items()
-                          if v != getattr(default_rule, k))  # fmt: skip
+    if spec.workload != "model" and (given := _changed("rule", cfg.rule, RuleConfig())):
         raise GossipError(f"config key(s) {given}: rules are for the model workloads; "
                           f"'{a.name}' has its own server step")  # fmt: skip
     if spec.workload == "expfam":  # the EM reads expfam.*: data.* and model.* go unheeded

@@ -19,7 +19,6 @@ any number of ranks compute the same S_k.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +43,7 @@ from gossip_pfl.expfam.models import (
     initial_params,
 )
 from gossip_pfl.loop import RoundLoop
+from gossip_pfl.rundir import read_rows
 from gossip_pfl.runtime.comm import gather_rows, init_comm
 from gossip_pfl.runtime.exchange import Exchanger
 from gossip_pfl.runtime.messages import Bundle
@@ -512,11 +512,6 @@ class ExpFamRun(RoundLoop):
         return state["rounds_done"], list(state["rows"])
 
 
-def read_rows(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
     """||h(S_k)||^2 and ||H_k||^2 (and the mixture weights) against epochs, written to
     ``out`` (default RUN_DIR/plots) as expfam.png."""
@@ -525,7 +520,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_rows(run_dir)
+    rows = read_rows(Path(run_dir) / "metrics.jsonl")
     if not rows:
         return []
     ep = [r["epochs"] for r in rows]

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gossip_pfl.errors import GossipError
+from gossip_pfl.runtime.threads import physical_memory
 
 
 @runtime_checkable
@@ -190,10 +191,7 @@ def device_memory(device: torch.device) -> int | None:
     (None where the OS does not say)."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[1]
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
-        return None
+    return physical_memory()
 
 
 def set_cuda_numerics(tf32: bool, deterministic: bool) -> None:

@@ -17,8 +17,6 @@ import ctypes
 import os
 import sys
 
-import torch
-
 
 def available_cores() -> int:
     """Cores this process may run on (its affinity mask: taskset, cgroups cpusets, SLURM)."""
@@ -26,6 +24,14 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # macOS, Windows: no affinity mask
         return os.cpu_count() or 1
+
+
+def physical_memory() -> int | None:
+    """Bytes of this machine's physical memory (None where the OS does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows) or no such name
+        return None
 
 
 def default_threads(env: dict[str, str] | None = None) -> tuple[int, str]:
@@ -44,6 +50,8 @@ def set_threads(threads: int = 0) -> str:
     """Set torch's intra-op threads (``threads`` > 0, else the default above); returns how the
     count was chosen, for the run's first log line."""
     how = "runtime.threads"
+    import torch  # here: this module answers the host's questions without loading torch
+
     if threads <= 0:
         threads, how = default_threads()
     if torch.get_num_threads() != threads:
