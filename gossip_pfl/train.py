@@ -43,7 +43,6 @@ from gossip_pfl.runtime.data import (
     RankData,
     client_ids,
     linear_host,
-    linear_round,
     round_batches,
     step_plan,
 )
@@ -187,7 +186,8 @@ class Trainer(RoundLoop):
 
         model = model_fn().to(self.device)
         self.layout = ParamLayout(model)
-        self.forward = BatchedForward(model, self.layout, rt.batching, rt.precision)
+        kernels = rt.cpu_kernels and self.device.type == "cpu"
+        self.forward = BatchedForward(model, self.layout, rt.batching, rt.precision, kernels)
         self.task = task
         # Samples per batched call (0 in the config: the model's CPU hint, else no limit for
         # steps and 16384 for evaluation). On a GPU bigger calls are better, so no hint there.
@@ -372,7 +372,8 @@ class Trainer(RoundLoop):
         plain = self.solver.plain and self.client is None and not self.track_loss
         plain = plain and not self.line_search
         fused = plain and self._fused_linear()  # six operations a step (linear_sgd_round)
-        post = self._linear_host if fused else None
+        # the torch operations' host side of the fused step, drawn with the plan
+        post = self._linear_host if fused and not self.forward.kernels else None
         idx, weight, *host = self.planner(
             counts, self.train_ids[self.peers], self.cfg.seed, t, a.batch_size, epochs, steps,
             stream, post, a.loss_divisor == "batch",
@@ -382,9 +383,9 @@ class Trainer(RoundLoop):
             with np.errstate(over="ignore"):  # an lr past float32: the finite check names it
                 neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_host
             qe = None if q is None else q.expand(L, self.M, -1)  # (L, M, N)
-            plan = linear_round(host[0], self.train, neg, qe)
-            self.forward.linear_sgd_round(theta, self.train.augmented, plan)
-            self._record_plain_eta(opt_state, factor, bool(plan.rows))
+            self.forward.linear_sgd_round(theta, self.train, (idx, weight, *host), neg, qe,
+                                          a.batch_size)  # fmt: skip
+            self._record_plain_eta(opt_state, factor, bool(weight.any()))
             return
         plan = step_plan(idx, weight, self.train.y.shape[1], self.device)
         anchor = theta.clone() if self.solver.prox_mu else None

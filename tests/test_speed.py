@@ -32,7 +32,7 @@ CASES = {
 
 
 def trainer(tmp_path, batching: str, algorithm: dict, task: str = "binary",
-            device: str = "cpu") -> Trainer:  # fmt: skip
+            device: str = "cpu", **runtime) -> Trainer:  # fmt: skip
     name = algorithm["name"]
     gossip = name in ("dfedem", "dsgd")
     cfg = load_config(
@@ -41,7 +41,7 @@ def trainer(tmp_path, batching: str, algorithm: dict, task: str = "binary",
             "rounds": 3,
             "algorithm": {"batch_size": 16, "lr": 0.2, **algorithm},
             **({"schedule": {"graph": "ring", "weights": "metropolis"}} if gossip else {}),
-            "runtime": {"device": device, "batching": batching},
+            "runtime": {"device": device, "batching": batching, **runtime},
             "out": str(tmp_path / batching),
         }
     )
@@ -92,6 +92,39 @@ def test_fused_scores_and_losses_equal_general_path(chunk, tmp_path):
         assert 0.3 < float(acc.mean()) < 1  # not a degenerate case
     mask = tr.train.mask[:, None, :]
     torch.testing.assert_close(fast_losses * mask, tr.train_losses(theta) * mask)
+
+
+@pytest.mark.parametrize("algorithm", [{"name": "dfedem", "components": 3},
+                                       {"name": "fedavg", "components": 1}])  # fmt: skip
+def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_path):
+    """runtime.cpu_kernels (compiled loops: the round, E-step losses, scores) == the torch
+    operations after three rounds, up to float rounding; and the same bits with 1 or 3
+    kernel threads (each peer is one thread's)."""
+    from gossip_pfl.runtime import kernels
+
+    fast = rounds(trainer(tmp_path, "auto", algorithm))
+    torch_ops = rounds(trainer(tmp_path, "auto", algorithm, cpu_kernels=False))
+    assert fast.forward.kernels and not torch_ops.forward.kernels
+    np.testing.assert_allclose(fast.shared_parameters(), torch_ops.shared_parameters(),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    for k, v in torch_ops.personal.items():
+        torch.testing.assert_close(fast.personal[k], v, rtol=1e-5, atol=1e-6)
+    L = len(fast.peers)
+    for split in (fast.train, fast.test):
+        for got, want in zip(fast.scores(split, fast.nodes[:L], fast.personal),
+                             torch_ops.scores(split, fast.nodes[:L], fast.personal)):  # fmt: skip
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    before = kernels._threads
+    try:
+        runs = []
+        for threads in (1, 3):
+            tr = trainer(tmp_path, "auto", algorithm)
+            kernels.set_threads(threads)
+            runs.append(rounds(tr).shared_parameters())
+    finally:
+        kernels.set_threads(before)
+    np.testing.assert_array_equal(runs[0], runs[1])
+    np.testing.assert_array_equal(runs[0], fast.shared_parameters())
 
 
 def test_closed_form_multiclass_gradient_equals_autograd(tmp_path):

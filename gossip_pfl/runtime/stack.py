@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -17,6 +18,7 @@ from torch.func import functional_call, vmap
 
 from gossip_pfl.errors import GossipError
 from gossip_pfl.models import Linear
+from gossip_pfl.runtime.data import linear_round
 
 
 class ParamLayout:
@@ -63,7 +65,7 @@ class BatchedForward:
 
     def __init__(
         self, model: nn.Module, layout: ParamLayout, batching: str = "auto",
-        precision: str = "float32",
+        precision: str = "float32", cpu_kernels: bool = False,
     ):  # fmt: skip
         if batching not in ("auto", "vmap", "loop"):
             raise GossipError(f"runtime.batching must be auto, vmap or loop (got {batching!r})")
@@ -74,6 +76,13 @@ class BatchedForward:
         # handful of batched kernels per step instead of an autograd graph; vmap keeps autograd
         # (the plain path the fused one is tested against)
         self.closed_form = batching == "auto" and type(model) is Linear and precision == "float32"
+        # on a CPU, the closed form's round, losses and scores as compiled loops (kernels.py)
+        self.kernels = self.closed_form and cpu_kernels
+        if self.kernels:
+            from gossip_pfl.runtime import kernels  # numba loads only for these
+
+            kernels.set_threads(torch.get_num_threads())
+            self._kernels = kernels
 
         def single(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             return functional_call(model, layout.unflatten(flat), (x,))
@@ -182,10 +191,32 @@ class BatchedForward:
         return grad, loss
 
     @torch.no_grad()
-    def linear_sgd_round(self, theta: torch.Tensor, inputs: torch.Tensor, plan) -> None:
+    def linear_sgd_round(
+        self, theta: torch.Tensor, split, batches: tuple, neg_step: np.ndarray,
+        q: torch.Tensor | None, batch_size: int,
+    ) -> None:  # fmt: skip
         """A round of plain SGD on the binary linear model's log-loss, in place on theta
-        (L, M, P = [W, b]), for a :class:`gossip_pfl.runtime.data.LinearRound` plan over
-        ``inputs`` (the split's :attr:`augmented` samples, a ones column last). A step is six
+        (L, M, P = [W, b]). ``batches``: the round's plan over ``split``, (idx, weight) of
+        :func:`gossip_pfl.runtime.data.round_batches` and, for the torch operations, its
+        :class:`gossip_pfl.runtime.data.LinearHost`; ``neg_step`` (L,) each peer's -lr *
+        factor * scale; ``q`` (L, M, N) the responsibilities (None: weight 1); the loss
+        divides by ``batch_size``. On a CPU with :attr:`kernels`, a compiled loop per peer
+        (:func:`gossip_pfl.runtime.kernels.sgd_round`); else :meth:`_linear_sgd_steps`."""
+        if self.kernels:
+            k, (idx, weight, *_) = self._kernels, batches
+            qa = np.zeros((0, 0, 0), np.float32) if q is None else q.contiguous().numpy()
+            k.run(k.sgd_round, split.host_counts, theta.numpy(), split.augmented.numpy(),
+                  split.offsets, split.host_counts, split.host_y, idx.transpose(1, 0, 2),
+                  weight.transpose(1, 0, 2), neg_step * np.float32(1.0 / batch_size),
+                  qa)  # fmt: skip
+            return
+        plan = linear_round(batches[2], split, neg_step, q)
+        self._linear_sgd_steps(theta, split.augmented, plan)
+
+    def _linear_sgd_steps(self, theta: torch.Tensor, inputs: torch.Tensor, plan) -> None:
+        """The torch form of :meth:`linear_sgd_round`, for a
+        :class:`gossip_pfl.runtime.data.LinearRound` plan over ``inputs`` (the split's
+        :attr:`augmented` samples, a ones column last). A step is six
         operations: gather the batch, z = x theta^T (the bias through the ones column; x
         theta^T rather than theta x^T: 1.5x faster on a CPU), sigmoid, r = (sigmoid(z) - y) *
         coef (one addcmul: coef holds -step * q * weight / B), r^T (a view), theta += r^T x
@@ -227,6 +258,12 @@ class BatchedForward:
         inputs and targets cached (the train losses of the E-step, every round)."""
         L, M, P = theta.shape
         out = torch.zeros(L, M, split.y.shape[1], device=theta.device, dtype=theta.dtype)
+        if self.kernels:
+            k = self._kernels
+            k.run(k.bce_losses, split.host_counts, theta.contiguous().numpy(),
+                  split.augmented.numpy(), split.offsets, split.host_counts, split.host_y,
+                  out.numpy())  # fmt: skip
+            return out
         for rows, sl, z, tgt, _ in self._linear_logits(theta, split, budget):
             loss = F.binary_cross_entropy_with_logits(z, tgt, reduction="none")
             if rows is None:
@@ -247,6 +284,12 @@ class BatchedForward:
         L = theta.shape[0]
         nll = torch.zeros(L, device=theta.device, dtype=torch.float64)
         correct = torch.zeros_like(nll)
+        if self.kernels:
+            k = self._kernels
+            k.run(k.mixture_scores, split.host_counts, theta.contiguous().numpy(),
+                  pi.float().contiguous().numpy(), split.x.flatten(2).numpy(), split.host_y,
+                  split.host_counts, nll.numpy(), correct.numpy())  # fmt: skip
+            return nll, correct
         for rows, _, z, tgt, mask in self._linear_logits(theta, split, budget):
             w = pi if rows is None else pi.index_select(0, rows)
             p1 = torch.bmm(w.to(z.dtype)[:, None, :], z.sigmoid_())[:, 0]  # (A, width)
@@ -278,9 +321,8 @@ class BatchedForward:
 
     def _describe(self) -> str:
         if self.closed_form:
-            return (
-                "batched over peers and components (the model's batched layers, closed-form step)"
-            )
+            how = "compiled CPU loops" if self.kernels else "closed-form step"
+            return f"batched over peers and components (the model's batched layers, {how})"
         if self.mode == "vmap":
             how = "the model's batched layers" if self.native else "vmap"
             return f"batched over peers and components ({how})"
