@@ -100,6 +100,7 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
     """runtime.cpu_kernels (compiled loops: the round, E-step losses, scores) == the torch
     operations after three rounds, up to float rounding; and the same bits with 1 or 3
     kernel threads (each peer is one thread's)."""
+    pytest.importorskip("numba")
     from gossip_pfl.runtime import kernels
 
     fast = rounds(trainer(tmp_path, "auto", algorithm))

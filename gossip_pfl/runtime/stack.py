@@ -79,10 +79,13 @@ class BatchedForward:
         # on a CPU, the closed form's round, losses and scores as compiled loops (kernels.py)
         self.kernels = self.closed_form and cpu_kernels
         if self.kernels:
-            from gossip_pfl.runtime import kernels  # numba loads only for these
-
-            kernels.set_threads(torch.get_num_threads())
-            self._kernels = kernels
+            try:  # numba loads only for these
+                from gossip_pfl.runtime import kernels
+            except ImportError:  # a machine without numba (a lent GPU's): torch operations
+                self.kernels = False
+            else:
+                kernels.set_threads(torch.get_num_threads())
+                self._kernels = kernels
 
         def single(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             return functional_call(model, layout.unflatten(flat), (x,))
