@@ -4,6 +4,7 @@ the machine disturb less) and peak memory, for growing peer counts. Each count
 runs in a fresh process, so its peak resident memory is its own.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_scale.py [--peers 1000,3000,10000] [--rounds 3]
+        [--set KEY=VALUE ...]   # e.g. runtime.cpu_kernels=false: the torch operations
 
 "plan ms" times a round's minibatch plan alone (round_batches; in a run it is drawn a round
 ahead on a background thread).
@@ -23,7 +24,7 @@ import sys
 import time
 
 
-def one(peers: int, rounds: int) -> dict:
+def one(peers: int, rounds: int, sets: list[str]) -> dict:
     from gossip_pfl.config import load_config
     from gossip_pfl.data import load_dataset
     from gossip_pfl.runtime.data import round_batches
@@ -38,7 +39,8 @@ def one(peers: int, rounds: int) -> dict:
             "runtime": {"device": "cpu"},
             "check_schedule": False,
             "out": "runs/bench_scale",
-        }
+        },
+        overrides=sets,
     )
     tr = Trainer(cfg, dataset=data, log=lambda *a: None)
     setup = time.perf_counter() - t0
@@ -71,16 +73,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--peers", default="1000,3000,10000")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="config override for every count")  # fmt: skip
     ap.add_argument("--one", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.one:
-        print(json.dumps(one(args.one, args.rounds)))
+        print(json.dumps(one(args.one, args.rounds, args.set)))
         return
     print("| peers | samples | padded to | s/round | CPU s/round | plan ms | peak RSS GB | "
           "GB per 1k peers | setup s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for n in map(int, args.peers.split(",")):
         cmd = [sys.executable, __file__, "--one", str(n), "--rounds", str(args.rounds)]
+        cmd += [a for kv in args.set for a in ("--set", kv)]
         out = subprocess.run(cmd, capture_output=True, text=True)
         if out.returncode:
             why = (out.stderr.strip().splitlines() or [f"exit status {out.returncode}"])[-1]
