@@ -371,7 +371,7 @@ class Trainer(RoundLoop):
         counts = self.counts if active is None else np.where(active, self.counts, 0)
         plain = self.solver.plain and self.client is None and not self.track_loss
         plain = plain and not self.line_search
-        fused = plain and self._fused_linear()  # six operations a step (linear_sgd_round)
+        fused = plain and self._fused_linear()  # the round in one call (linear_sgd_round)
         # the torch operations' host side of the fused step, drawn with the plan
         post = self._linear_host if fused and not self.forward.kernels else None
         idx, weight, *host = self.planner(

@@ -6,8 +6,8 @@ torch runs as small batched GEMMs far below this CPU's memory speed, and a step 
 its minibatch into a buffer, then reads it twice more (forward, backward). Here a peer is one
 loop on one thread: each sample's row is read once per step (its three logits and its share
 of the update in one visit), the peer's parameters stay in the core's cache, and a round of
-every step is one call. On the synthetic D-FedEM (300 peers, M = 3) a round's local work is
-about 2.5x faster than the torch operations (docs/benchmarks.md).
+every step is one call. On the synthetic D-FedEM (300 peers, M = 3) a round's SGD steps take
+about half the torch operations' time (docs/benchmarks.md).
 
 Each peer's numbers come from one thread in a fixed order, so they do not depend on the
 thread count nor on which peers share the rank. They round differently from the torch path
@@ -60,8 +60,8 @@ def sgd_round(lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q):
     by peer from ``offsets`` (L,); ``labels`` (L, N_max). ``idx``, ``weight`` (L, S, B): the
     round's plan (:func:`gossip_pfl.runtime.data.round_batches`, peer axis first): at step s
     peer p takes the samples idx[p, s, b] of weight[p, s, b] > 0. ``step`` (L,) is each
-    peer's -lr / B, ``q`` (L, M, N_max) the responsibilities (shape (0, 0, 0): weight 1),
-    ``slot`` (N_max,) scratch holding -1. A step is
+    peer's -lr / B, ``q`` (L, M, N_max) the responsibilities (shape (0, 0, 0): weight 1).
+    A step is
 
         theta_m += sum_b c_bm (sigmoid(z_bm) - y_b) x_b,   c_bm = step * w_b * q_bm,
 
@@ -151,26 +151,20 @@ def mixture_scores(lo, hi, theta, pi, x, y, counts, nll, correct):
 
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
-_threads = 1
 _RANGES_PER_THREAD = 4
 
 
-def set_threads(threads: int) -> None:
-    """How many threads a kernel call uses (the run's torch threads)."""
-    global _threads
-    _threads = max(1, int(threads))
-
-
-def run(kernel, work: np.ndarray, *args) -> None:
+def run(kernel, threads: int, work: np.ndarray, *args) -> None:
     """``kernel(lo, hi, *args)`` over the peers 0..L-1 in contiguous ranges of about equal
-    ``work`` (L,) (samples each). With several threads the ranges are a few per thread, taken
-    by whichever thread is free (another busy thread, such as the round planner, then slows
-    no range down for all); the calling thread takes part. The kernels release the GIL, and
-    each peer is one thread's, so no number depends on the split."""
+    ``work`` (L,) (samples each), on ``threads`` threads (the run's torch threads). With
+    several, the ranges are a few per thread, taken by whichever thread is free (another busy
+    thread, such as the round planner, then slows no range down for all); the calling thread
+    takes part. The kernels release the GIL, and each peer is one thread's, so no number
+    depends on the split."""
     global _pool, _pool_size
     L = len(work)
-    parts = min(_threads * _RANGES_PER_THREAD, L)
-    if _threads <= 1 or parts <= 1:
+    parts = min(threads * _RANGES_PER_THREAD, L)
+    if threads <= 1 or parts <= 1:
         kernel(0, L, *args)
         return
     cum = np.cumsum(work, dtype=np.float64)
@@ -187,9 +181,9 @@ def run(kernel, work: np.ndarray, *args) -> None:
                 return
             kernel(lo, hi, *args)
 
-    if _pool_size < _threads - 1:
-        _pool, _pool_size = ThreadPoolExecutor(_threads - 1, "gossip-kernel"), _threads - 1
-    futures = [_pool.submit(worker) for _ in range(_threads - 1)]
+    if _pool_size < threads - 1:
+        _pool, _pool_size = ThreadPoolExecutor(threads - 1, "gossip-kernel"), threads - 1
+    futures = [_pool.submit(worker) for _ in range(threads - 1)]
     worker()
     for f in futures:
         f.result()

@@ -84,7 +84,6 @@ class BatchedForward:
             except ImportError:  # a machine without numba (a lent GPU's): torch operations
                 self.kernels = False
             else:
-                kernels.set_threads(torch.get_num_threads())
                 self._kernels = kernels
 
         def single(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -205,16 +204,22 @@ class BatchedForward:
         factor * scale; ``q`` (L, M, N) the responsibilities (None: weight 1); the loss
         divides by ``batch_size``. On a CPU with :attr:`kernels`, a compiled loop per peer
         (:func:`gossip_pfl.runtime.kernels.sgd_round`); else :meth:`_linear_sgd_steps`."""
+        idx, weight, *host = batches
         if self.kernels:
-            k, (idx, weight, *_) = self._kernels, batches
             qa = np.zeros((0, 0, 0), np.float32) if q is None else q.contiguous().numpy()
-            k.run(k.sgd_round, split.host_counts, theta.numpy(), split.augmented.numpy(),
-                  split.offsets, split.host_counts, split.host_y, idx.transpose(1, 0, 2),
-                  weight.transpose(1, 0, 2), neg_step * np.float32(1.0 / batch_size),
-                  qa)  # fmt: skip
+            self._compiled("sgd_round", split, theta.numpy(), split.augmented.numpy(),
+                           split.offsets, split.host_counts, split.host_y,
+                           idx.transpose(1, 0, 2), weight.transpose(1, 0, 2),
+                           neg_step * np.float32(1.0 / batch_size), qa)  # fmt: skip
             return
-        plan = linear_round(batches[2], split, neg_step, q)
+        plan = linear_round(host[0], split, neg_step, q)
         self._linear_sgd_steps(theta, split.augmented, plan)
+
+    def _compiled(self, name: str, split, *args) -> None:
+        """The compiled loop ``name`` of :mod:`gossip_pfl.runtime.kernels` over ``split``'s
+        peers, on the run's torch threads."""
+        k = self._kernels
+        k.run(getattr(k, name), torch.get_num_threads(), split.host_counts, *args)
 
     def _linear_sgd_steps(self, theta: torch.Tensor, inputs: torch.Tensor, plan) -> None:
         """The torch form of :meth:`linear_sgd_round`, for a
@@ -262,10 +267,9 @@ class BatchedForward:
         L, M, P = theta.shape
         out = torch.zeros(L, M, split.y.shape[1], device=theta.device, dtype=theta.dtype)
         if self.kernels:
-            k = self._kernels
-            k.run(k.bce_losses, split.host_counts, theta.contiguous().numpy(),
-                  split.augmented.numpy(), split.offsets, split.host_counts, split.host_y,
-                  out.numpy())  # fmt: skip
+            self._compiled("bce_losses", split, theta.contiguous().numpy(),
+                           split.augmented.numpy(), split.offsets, split.host_counts,
+                           split.host_y, out.numpy())  # fmt: skip
             return out
         for rows, sl, z, tgt, _ in self._linear_logits(theta, split, budget):
             loss = F.binary_cross_entropy_with_logits(z, tgt, reduction="none")
@@ -288,10 +292,10 @@ class BatchedForward:
         nll = torch.zeros(L, device=theta.device, dtype=torch.float64)
         correct = torch.zeros_like(nll)
         if self.kernels:
-            k = self._kernels
-            k.run(k.mixture_scores, split.host_counts, theta.contiguous().numpy(),
-                  pi.float().contiguous().numpy(), split.x.flatten(2).numpy(), split.host_y,
-                  split.host_counts, nll.numpy(), correct.numpy())  # fmt: skip
+            self._compiled("mixture_scores", split, theta.contiguous().numpy(),
+                           pi.float().contiguous().numpy(), split.x.flatten(2).numpy(),
+                           split.host_y, split.host_counts, nll.numpy(),
+                           correct.numpy())  # fmt: skip
             return nll, correct
         for rows, _, z, tgt, mask in self._linear_logits(theta, split, budget):
             w = pi if rows is None else pi.index_select(0, rows)
