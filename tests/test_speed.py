@@ -324,3 +324,30 @@ def test_pcg64_states_are_numpys_seeding():
         draws = gens.at(row).permutation(50)
         want = np.random.default_rng([2**32 - 2, int(peer), 199, 1]).permutation(50)
         assert np.array_equal(draws, want)
+
+
+def _count_peers(lo: int, hi: int, out: np.ndarray) -> None:
+    out[lo:hi] += 1
+
+
+def _run_twice_threaded() -> None:
+    from gossip_pfl.runtime import kernels
+
+    out = np.zeros(50)
+    kernels.run(_count_peers, 2, np.ones(50), out)
+    assert (out == 1).all()
+
+
+def test_kernel_threads_work_in_a_forked_child():
+    """kernels.run's thread pool is the process's own: a child forked after the parent used
+    it starts a pool of its own (the parent's threads do not exist there: it would hang)."""
+    import multiprocessing as mp
+
+    pytest.importorskip("numba")
+    _run_twice_threaded()  # the parent's pool exists now
+    child = mp.get_context("fork").Process(target=_run_twice_threaded)
+    child.start()
+    child.join(timeout=30)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0

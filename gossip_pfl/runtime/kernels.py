@@ -19,6 +19,7 @@ other). Compiled once per machine and cached beside this file (numba's ``cache=T
 from __future__ import annotations
 
 import math
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -150,7 +151,7 @@ def mixture_scores(lo, hi, theta, pi, x, y, counts, nll, correct):
 
 
 _pool: ThreadPoolExecutor | None = None
-_pool_size = 0
+_pool_size = _pool_pid = 0
 _RANGES_PER_THREAD = 4
 
 
@@ -161,7 +162,7 @@ def run(kernel, threads: int, work: np.ndarray, *args) -> None:
     thread, such as the round planner, then slows no range down for all); the calling thread
     takes part. The kernels release the GIL, and each peer is one thread's, so no number
     depends on the split."""
-    global _pool, _pool_size
+    global _pool, _pool_size, _pool_pid
     L = len(work)
     parts = min(threads * _RANGES_PER_THREAD, L)
     if threads <= 1 or parts <= 1:
@@ -181,8 +182,9 @@ def run(kernel, threads: int, work: np.ndarray, *args) -> None:
                 return
             kernel(lo, hi, *args)
 
-    if _pool_size < threads - 1:
-        _pool, _pool_size = ThreadPoolExecutor(threads - 1, "gossip-kernel"), threads - 1
+    if _pool_size < threads - 1 or _pool_pid != os.getpid():  # a forked child has no threads
+        _pool = ThreadPoolExecutor(threads - 1, "gossip-kernel")
+        _pool_size, _pool_pid = threads - 1, os.getpid()
     futures = [_pool.submit(worker) for _ in range(threads - 1)]
     worker()
     for f in futures:
