@@ -46,7 +46,8 @@ Peer to peer (``p2p=True``, what ``gossip-pfl peer`` builds; docs/p2p.md): no co
 
 - Start: ``join`` sends a hello to every process (every ``HELLO_EVERY_S``) and waits for
   theirs; a fresh start needs them all within ``timeout_s``, a restart needs one, and starts at
-  the round the running peers name.
+  the round the running peers name (it asks a peer again as soon as it answers with an earlier
+  round than the restart's, so it follows it round by round).
 - Link faults: in an exchange every message that lands is acknowledged at once; the link with
   rank r counts only when r's message landed here and r's ack of ours came back (both ends hold
   each other's rows). It is given up after ``link_timeout_s``, or at once when r is seen past
@@ -713,9 +714,14 @@ class ZmqComm:
             if mkey[2] == HELLO:
                 if mkey[0] > latest:  # a peer is running: wait timeout_s from its answer
                     deadline = max(deadline, time.monotonic() + self.timeout_s)
+                before = self._heard.get(msg.sender)
                 first_heard = first_heard or time.monotonic()
                 self._hello(mkey, msg)
                 self._answer_hellos()
+                # a restart asks a running peer below the restart round again at once: a fast
+                # run can pass that round and end between two announcements, unheard
+                if not need_all and mkey[0] < wait_round and (before is None or mkey[0] > before):
+                    self._control(msg.sender, (first_round, 1, HELLO, 0), HELLO)
             elif mkey[2] == ALIVE:  # a running peer waiting on another: nothing for us
                 self._drain(True)
             elif mkey[:2] < self.tag or mkey[0] < latest:
