@@ -203,6 +203,17 @@ def test_nan_learning_rate_names_round_and_peer(tmp_path):
         Trainer(cfg, dataset=toy_dataset(8), log=quiet).run()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_finite_check_names_the_first_bad_peer(bad, tmp_path):
+    tr = Trainer(cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}), dataset=toy_dataset(8),
+                 log=quiet)  # fmt: skip
+    theta = tr.nodes[: len(tr.peers)].clone()
+    tr._check_finite(0, theta)  # finite: no error
+    theta[5, 1, -1], theta[3, 0, 2] = bad, bad
+    with pytest.raises(GossipError, match=r"round 1: .*\(first: peer 3 on rank 0\)"):
+        tr._check_finite(0, theta)
+
+
 def test_bad_components_and_shape(tmp_path):
     with pytest.raises(GossipError, match="algorithm.components"):
         cfg_for(tmp_path, components=0)

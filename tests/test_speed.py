@@ -122,6 +122,63 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
     np.testing.assert_array_equal(runs[0], fast.shared_parameters())
 
 
+@pytest.mark.parametrize("scale", [1.0, 300.0])  # 300: every likelihood underflows somewhere
+def test_fused_e_step_equals_the_surrogates_e_step(scale, tmp_path):
+    """The compiled round's E-step (PendingEStep: q and pi from one exp per likelihood, the
+    log domain where they all underflow) == MixtureSurrogate.update_personal on the train
+    losses: smoothed q, pi from the plain q, a peer without samples keeping its pi, and a
+    zero in pi; no step is taken (an all-zero plan)."""
+    from gossip_pfl.runtime.stack import PendingEStep
+
+    pytest.importorskip("numba")
+    tr = trainer(tmp_path, "auto", {**CASES["dfedem (fused SGD update)"], "q_smoothing": 0.1})
+    assert tr.fuses_e_step
+    L, M, P = tr.nodes[: len(tr.peers)].shape
+    g = torch.Generator().manual_seed(0)
+    theta = scale * torch.randn(L, M, P, generator=g)
+    pi = torch.distributions.Dirichlet(torch.ones(M)).sample((L,))
+    pi[0, 1] = 0.0
+    counts = tr.train.host_counts.copy()
+    tr.train.__dict__["host_counts"] = counts
+    counts[2] = 0  # a peer without samples (the kernel's view; the torch side masks it)
+    mask = tr.train.mask.clone()
+    mask[2] = 0
+    pending = PendingEStep.of(pi, mask.shape[1], 0.1)
+    plan = (np.zeros((1, L, 1), np.int64), np.zeros((1, L, 1), np.float32))
+    before = theta.clone()
+    tr.forward.linear_sgd_round(theta, tr.train, plan, np.zeros(L, np.float32), pending, 16)
+    torch.testing.assert_close(theta, before, rtol=0, atol=0)
+    want, q = tr.surrogate.update_personal({"pi": pi}, tr.train_losses(theta), mask)
+    torch.testing.assert_close(pending.pi, want["pi"], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pending.q, q, rtol=1e-5, atol=1e-6)
+    assert pending.pi[2].equal(pi[2]) and bool((pending.q[2] == 0).all())
+    if scale > 1:  # the log-domain fallback ran: some sample's q is neither 0 nor 1 smoothed
+        assert bool(((q > 0.05) & (q < 0.9)).any())
+
+
+def test_fused_e_step_with_partial_participation_equals_torch_operations(tmp_path):
+    """Half the peers per round: the compiled round (its E-step in the loop) == the torch
+    operations, and a peer sitting out keeps its mixture weights."""
+    pytest.importorskip("numba")
+    algorithm = {**CASES["dfedem (fused SGD update)"], "q_smoothing": 0.05}
+    runs = []
+    for kernels in (True, False):
+        tr = trainer(tmp_path / str(kernels), "auto", algorithm, cpu_kernels=kernels)
+        tr.cfg.participation = 0.5
+        tr.n_active = len(tr.peers) // 2
+        before = tr.personal["pi"].clone()
+        active = tr.sample(0)
+        assert tr.fuses_e_step == kernels and 0 < active.sum() < len(active)
+        tr.local_work(0, active)
+        torch.testing.assert_close(tr.personal["pi"][~active], before[~active], rtol=0, atol=0)
+        assert not torch.allclose(tr.personal["pi"][active], before[active])
+        tr.communicate(0, active)
+        runs.append(tr)
+    np.testing.assert_allclose(runs[0].shared_parameters(), runs[1].shared_parameters(),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(runs[0].personal["pi"], runs[1].personal["pi"])
+
+
 def test_closed_form_multiclass_gradient_equals_autograd(tmp_path):
     """Softmax head (multiclass task): the closed-form gradient and loss are autograd's."""
     from gossip_pfl.algorithms.base import weighted_loss_grad

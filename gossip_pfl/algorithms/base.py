@@ -25,6 +25,7 @@ class Context(Protocol):
     M: int
     track_loss: bool  # the rule reads the last minibatch's loss (FedLi)
     line_search: bool  # the solver evaluates the loss (Armijo)
+    fuses_e_step: bool  # the round's loop works a mixture's E-step out (runtime.stack.PendingEStep)
 
     def train_losses(self, theta: torch.Tensor, split=None) -> torch.Tensor: ...
 

@@ -13,6 +13,7 @@ import torch
 
 from gossip_pfl.algorithms.base import weighted_loss, weighted_loss_grad
 from gossip_pfl.algorithms.losses import probabilities
+from gossip_pfl.runtime.stack import PendingEStep
 
 PI_STREAM = 7  #: keeps the pi draws apart from the minibatch streams (0, 1) of the same peer
 
@@ -42,9 +43,14 @@ class MixtureSurrogate:
         return {"pi": torch.as_tensor(np.array(draws), dtype=torch.float32, device=dev)}
 
     def begin_round(self, ctx, theta: torch.Tensor, personal: dict, mask: torch.Tensor):
-        """E-step with the components held before the local update, then the pi update."""
+        """E-step with the components held before the local update, then the pi update (on
+        a runtime that fuses it into the round's loop, left to it: the returned q and pi
+        are filled during the local steps)."""
         if self.components == 1:
             return personal, None
+        if getattr(ctx, "fuses_e_step", False):
+            pending = PendingEStep.of(personal["pi"], mask.shape[1], self.q_smoothing)
+            return {**personal, "pi": pending.pi}, pending
         return self.update_personal(personal, ctx.train_losses(theta), mask)
 
     def shared_grad(self, ctx, theta, personal, rows, x, y, sw):

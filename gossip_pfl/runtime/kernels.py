@@ -53,8 +53,54 @@ def _dots(th, row, n, z):
             z[m] = acc
 
 
+_TINY = np.float32(1e-30)
+
+
+@njit(inline="always", fastmath=_FAST)
+def _e_step(th, x, base, n_p, labels, pi, eps, q, new_pi, z, w):
+    """One peer's E-step (FedEM): q_mn = pi_m p_m(y_n | x_n) / sum_k pi_k p_k(y_n | x_n), the
+    likelihood p_m = sigmoid(+-z_mn) at the components ``th`` (M, P); ``q`` (M, N) gets the
+    responsibilities smoothed towards 1 / M by ``eps`` (0 on padding), ``new_pi`` (M,) their
+    plain mean (pi's update; ``pi`` (M,) floored at 1e-30, as the torch path floors it).
+
+    One exp per likelihood, no log (the torch path's softmax of log pi - loss is the same
+    number): where every pi_m p_m underflows (a far-off sample, a diverging run) the sample
+    falls back to that log-domain softmax, so q never turns 0 / 0."""
+    M = th.shape[0]
+    one = np.float32(1.0)
+    acc = np.zeros(M, dtype=np.float64)
+    for n in range(n_p):
+        _dots(th, x[base + n], th.shape[1], z)
+        sign = one if labels[n] == 1 else -one
+        total = np.float32(0.0)
+        for m in range(M):
+            w[m] = max(pi[m], _TINY) / (one + np.exp(-sign * z[m]))
+            total += w[m]
+        if total >= _TINY:
+            for m in range(M):
+                w[m] /= total
+        else:  # log pi_m - log(1 + e^-sz), shifted by its maximum
+            top = -np.inf
+            for m in range(M):
+                sz = sign * z[m]
+                w[m] = math.log(max(pi[m], _TINY)) + min(sz, 0) - math.log1p(math.exp(-abs(sz)))
+                top = max(top, w[m])
+            total = np.float32(0.0)
+            for m in range(M):
+                w[m] = math.exp(w[m] - top)
+                total += w[m]
+            for m in range(M):
+                w[m] /= total
+        for m in range(M):
+            acc[m] += w[m]
+            q[m, n] = (one - eps) * w[m] + eps / M
+    for m in range(M):
+        q[m, n_p:] = 0
+        new_pi[m] = acc[m] / n_p if n_p > 0 else pi[m]
+
+
 @njit(**_OPTS)
-def sgd_round(lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q):
+def sgd_round(lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q, pi, eps, new_pi):
     """A round of plain SGD on sum_b w_b q_bm log-loss(z_bm), in place on theta (L, M, P).
 
     ``x`` (N, P): the samples with a ones column (so z = theta . x includes the bias), peer
@@ -62,7 +108,10 @@ def sgd_round(lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q):
     round's plan (:func:`gossip_pfl.runtime.data.round_batches`, peer axis first): at step s
     peer p takes the samples idx[p, s, b] of weight[p, s, b] > 0. ``step`` (L,) is each
     peer's -lr / B, ``q`` (L, M, N_max) the responsibilities (shape (0, 0, 0): weight 1).
-    A step is
+    With ``pi`` (L, M) (not shape (0, 0)), each peer's E-step (:func:`_e_step`, smoothing
+    ``eps``) first writes its ``q`` and ``new_pi`` from theta as the round starts: its
+    samples are then in the core's cache for its steps (a separate pass over every peer
+    leaves them in memory, and the steps' scattered reads wait on it). A step is
 
         theta_m += sum_b c_bm (sigmoid(z_bm) - y_b) x_b,   c_bm = step * w_b * q_bm,
 
@@ -74,9 +123,12 @@ def sgd_round(lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q):
     weighted = q.shape[0] > 0
     g = np.zeros((M, P), dtype=np.float32)
     z = np.zeros(M, dtype=np.float32)
+    w = np.zeros(M, dtype=np.float32)
     slot = np.full(labels.shape[1], -1, dtype=np.int64)
     for p in range(lo, hi):
         th = theta[p]
+        if pi.shape[0] > 0:
+            _e_step(th, x, offsets[p], counts[p], labels[p], pi[p], eps, q[p], new_pi[p], z, w)
         for s in range(S):
             taken = False
             for b in range(B):

@@ -9,6 +9,7 @@ optimizer update for all peers at once.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -19,6 +20,27 @@ from torch.func import functional_call, vmap
 from gossip_pfl.errors import GossipError
 from gossip_pfl.models import Linear
 from gossip_pfl.runtime.data import linear_round
+
+
+@dataclass(frozen=True)
+class PendingEStep:
+    """FedEM's E-step left to the round's compiled loop (:meth:`BatchedForward.
+    linear_sgd_round` with compiled CPU loops): it fills each peer's responsibilities ``q``
+    (L, M, N_max) and new mixture weights ``pi`` (L, M) from ``old_pi`` at the components
+    as the round starts, just before that peer's steps, which then find its samples in the
+    cache. The numbers are :meth:`MixtureSurrogate.update_personal`'s on the train losses,
+    up to float rounding (tests/test_speed.py)."""
+
+    old_pi: torch.Tensor
+    smoothing: float  #: q's smoothing towards 1 / M (the surrogate's q_smoothing)
+    q: torch.Tensor
+    pi: torch.Tensor
+
+    @classmethod
+    def of(cls, pi: torch.Tensor, n_max: int, smoothing: float) -> PendingEStep:
+        L, M = pi.shape
+        q = torch.empty(L, M, n_max, dtype=torch.float32, device=pi.device)
+        return cls(pi, smoothing, q, torch.empty(L, M, dtype=torch.float32, device=pi.device))
 
 
 class ParamLayout:
@@ -195,23 +217,32 @@ class BatchedForward:
     @torch.no_grad()
     def linear_sgd_round(
         self, theta: torch.Tensor, split, batches: tuple, neg_step: np.ndarray,
-        q: torch.Tensor | None, batch_size: int,
+        q: torch.Tensor | PendingEStep | None, batch_size: int,
     ) -> None:  # fmt: skip
         """A round of plain SGD on the binary linear model's log-loss, in place on theta
         (L, M, P = [W, b]). ``batches``: the round's plan over ``split``, (idx, weight) of
         :func:`gossip_pfl.runtime.data.round_batches` and, for the torch operations, its
         :class:`gossip_pfl.runtime.data.LinearHost`; ``neg_step`` (L,) each peer's -lr *
-        factor * scale; ``q`` (L, M, N) the responsibilities (None: weight 1); the loss
+        factor * scale; ``q`` (L, M, N) the responsibilities (None: weight 1; a
+        :class:`PendingEStep`: worked out in the loop, with :attr:`kernels`); the loss
         divides by ``batch_size``. On a CPU with :attr:`kernels`, a compiled loop per peer
         (:func:`gossip_pfl.runtime.kernels.sgd_round`); else :meth:`_linear_sgd_steps`."""
         idx, weight, *host = batches
         if self.kernels:
+            none = np.zeros((0, 0), np.float32)
+            pi, eps, new_pi = none, np.float32(0), none
+            if isinstance(q, PendingEStep):
+                pi, eps = q.old_pi.float().contiguous().numpy(), np.float32(q.smoothing)
+                new_pi, q = q.pi.numpy(), q.q
             qa = np.zeros((0, 0, 0), np.float32) if q is None else q.contiguous().numpy()
             self._compiled("sgd_round", split, theta.numpy(), split.augmented.numpy(),
                            split.offsets, split.host_counts, split.host_y,
                            idx.transpose(1, 0, 2), weight.transpose(1, 0, 2),
-                           neg_step * np.float32(1.0 / batch_size), qa)  # fmt: skip
+                           neg_step * np.float32(1.0 / batch_size), qa, pi, eps,
+                           new_pi)  # fmt: skip
             return
+        if isinstance(q, PendingEStep):
+            raise RuntimeError("a pending E-step needs the compiled CPU loops (kernels)")
         plan = linear_round(host[0], split, neg_step, q)
         self._linear_sgd_steps(theta, split.augmented, plan)
 
