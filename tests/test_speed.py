@@ -383,6 +383,46 @@ def test_pcg64_states_are_numpys_seeding():
         assert np.array_equal(draws, want)
 
 
+def test_compiled_permutations_draw_numpys_shuffles():
+    """kernels.permutations (NumPy's Generator(PCG64).shuffle in one compiled call for all
+    peers) == shuffling np.arange(n) with default_rng(key) for each peer, several times
+    from one stream (the spare half of a 64-bit draw carries over), sizes 0 to past 2**16."""
+    pytest.importorskip("numba")
+    from gossip_pfl.runtime.data import _KeyedGenerators
+    from gossip_pfl.runtime.kernels import permutations
+
+    peers = np.array([0, 3, 2**32 - 1, 17, 99, 4])
+    counts = np.array([0, 1, 2, 7, 1000, 70_000])
+    gens = _KeyedGenerators(12, 5, 1, peers)
+    stride = counts + 3
+    out = np.full((len(peers), 3 * stride.max()), -1, dtype=np.int64)
+    filled = np.zeros(out.shape, dtype=np.float32)
+    permutations(gens.words(), counts, 3, stride, out, filled)
+    assert np.array_equal(filled, out >= 0)
+    for row, peer in enumerate(peers):
+        rng = np.random.default_rng([12, int(peer), 5, 1])
+        for r in range(3):
+            want = np.arange(counts[row])
+            rng.shuffle(want)
+            got = out[row, r * stride[row] : r * stride[row] + counts[row]]
+            assert np.array_equal(got, want), (row, r)
+        assert (out[row, 3 * stride[row] - 3 :] == -1).all()  # nothing past its rows
+
+
+@pytest.mark.parametrize("epochs, batch, mean", [(1, 128, False), (2, 5, True), (3, 10**7, False)])
+def test_round_plan_in_one_compiled_call_equals_peer_by_peer(epochs, batch, mean, monkeypatch):
+    """round_batches with the compiled permutations == its peer-by-peer NumPy draws."""
+    pytest.importorskip("numba")
+    from gossip_pfl.runtime import data
+
+    counts, peers = np.array([0, 1, 7, 130, 12, 300]), np.arange(10, 16)
+    fast = data.round_batches(counts, peers, 3, 4, batch, epochs, mean=mean)
+    monkeypatch.setattr(data, "_PERMUTATIONS", False)  # as without numba
+    slow = data.round_batches(counts, peers, 3, 4, batch, epochs, mean=mean)
+    for a, b in zip(fast, slow):
+        assert a.shape == b.shape and np.array_equal(a, b)
+
+
 def _count_peers(lo: int, hi: int, out: np.ndarray) -> None:
     out[lo:hi] += 1
 

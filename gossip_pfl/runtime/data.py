@@ -388,8 +388,24 @@ def round_batches(
     L, width = len(peers), n_steps * batch_size
     idx = np.zeros((L, width), dtype=np.int64)
     weight = np.zeros((L, width), dtype=np.float32)
-    arange = np.arange(int(counts.max(initial=0)))
     generators = _KeyedGenerators(seed, round_, stream, peers)
+    if steps is None and generators.states is not None and _compiled_permutations():
+        # epochs: every peer's permutations in one compiled call (the same draws as below)
+        block = per_epoch * batch_size
+        _compiled_permutations()(generators.words(), counts, epochs, block, idx, weight)
+    else:
+        _draw_plan(generators, counts, per_epoch, batch_size, epochs, steps, idx, weight)
+    shape = (L, n_steps, batch_size)
+    weight = weight.reshape(shape)
+    if mean:  # each real sample's share of its batch, times the nominal B the loss divides by
+        filled = weight.sum(-1, keepdims=True)
+        np.divide(np.float32(nominal), filled, out=weight, where=weight > 0)
+    return idx.reshape(shape).transpose(1, 0, 2), weight.transpose(1, 0, 2)
+
+
+def _draw_plan(generators, counts, per_epoch, batch_size, epochs, steps, idx, weight) -> None:
+    """:func:`round_batches`' draws peer by peer, into ``idx`` and ``weight`` (L, S * B)."""
+    arange = np.arange(int(counts.max(initial=0)))
     for l, n_i in enumerate(counts):
         if n_i == 0:
             continue
@@ -407,12 +423,6 @@ def round_batches(
             order = np.concatenate([rng.permutation(n_i) for _ in range(perms)])
             idx[l].reshape(steps, batch_size)[:, :b] = order[: steps * b].reshape(steps, b)
             weight[l].reshape(steps, batch_size)[:, :b] = 1.0
-    shape = (L, n_steps, batch_size)
-    weight = weight.reshape(shape)
-    if mean:  # each real sample's share of its batch, times the nominal B the loss divides by
-        filled = weight.sum(-1, keepdims=True)
-        np.divide(np.float32(nominal), filled, out=weight, where=weight > 0)
-    return idx.reshape(shape).transpose(1, 0, 2), weight.transpose(1, 0, 2)
 
 
 class BatchPlanner:
@@ -460,6 +470,21 @@ def _plan(counts, peers, seed, round_, batch_size, epochs, steps, stream, post, 
     return (idx, weight) if post is None else (idx, weight, post(idx, weight))
 
 
+def _compiled_permutations():
+    """:func:`gossip_pfl.runtime.kernels.permutations`, or None without numba."""
+    global _PERMUTATIONS
+    if _PERMUTATIONS is None:
+        try:
+            from gossip_pfl.runtime.kernels import permutations
+        except ImportError:
+            permutations = False
+        _PERMUTATIONS = permutations
+    return _PERMUTATIONS
+
+
+_PERMUTATIONS = None
+
+
 class _KeyedGenerators:
     """``default_rng([seed, peer, round_, stream])`` for many peers at a third of its cost:
     when every part of the key is below 2**32 (the words SeedSequence makes of the list),
@@ -482,6 +507,12 @@ class _KeyedGenerators:
             self.bit_generator = np.random.PCG64()
             self.generator = np.random.Generator(self.bit_generator)
         self.peers = peers
+
+    def words(self) -> np.ndarray:
+        """(peers, 4) uint64: each generator's state and increment as (high, low) words."""
+        m = (1 << 64) - 1
+        return np.array([(s >> 64, s & m, i >> 64, i & m) for s, i in self.states],
+                        dtype=np.uint64).reshape(-1, 4)  # fmt: skip
 
     def at(self, row: int) -> np.random.Generator:
         """The generator of ``peers[row]``, at its start (the previous one is reset)."""

@@ -241,3 +241,72 @@ def run(kernel, threads: int, work: np.ndarray, *args) -> None:
     worker()
     for f in futures:
         f.result()
+
+
+# ---- the round plan's shuffles: NumPy's Generator(PCG64).shuffle, many peers in one call ----
+_U = np.uint64
+_M32 = _U(0xFFFFFFFF)
+_MULT_HI, _MULT_LO = _U(0x2360ED051FC65DA4), _U(0x4385DF649FCCF645)  # PCG64's multiplier
+
+
+@njit(inline="always")
+def _mul64(a, b):
+    """The 128-bit product of two uint64 as (high, low) words."""
+    a_lo, a_hi, b_lo, b_hi = a & _M32, a >> _U(32), b & _M32, b >> _U(32)
+    p0, p1, p2 = a_lo * b_lo, a_lo * b_hi, a_hi * b_lo
+    mid = (p0 >> _U(32)) + (p1 & _M32) + (p2 & _M32)
+    return a_hi * b_hi + (p1 >> _U(32)) + (p2 >> _U(32)) + (mid >> _U(32)), (mid << _U(32)) | (
+        p0 & _M32
+    )
+
+
+@njit(inline="always")
+def _pcg64_next(s):
+    """PCG64 (XSL-RR 128/64): advance ``s`` = [state_hi, state_lo, inc_hi, inc_lo] and
+    return the next uint64 (pcg_setseq_128_xsl_rr_64_random_r)."""
+    hi, lo = _mul64(s[1], _MULT_LO)
+    hi += s[0] * _MULT_LO + s[1] * _MULT_HI
+    lo2 = lo + s[3]
+    hi += s[2] + (_U(1) if lo2 < lo else _U(0))
+    s[0], s[1] = hi, lo2
+    x, rot = hi ^ lo2, hi >> _U(58)
+    return (x >> rot) | (x << ((_U(64) - rot) & _U(63)))
+
+
+@njit(cache=True, nogil=True)
+def permutations(states, counts, reps, stride, out, filled):
+    """Peer l's ``reps`` permutations of 0..counts[l]-1, drawn one after another from its
+    PCG64 stream ``states[l]`` = (state_hi, state_lo, inc_hi, inc_lo) uint64, at
+    out[l, r * stride[l] : r * stride[l] + counts[l]]: the numbers of ``rng.shuffle`` on
+    ``np.arange(counts[l])``, ``reps`` times, of ``np.random.Generator(PCG64)`` in that state
+    (NumPy's Fisher-Yates with ``random_interval``'s masked 32-bit draws, the second half of
+    each 64-bit output kept for the next draw; tests/test_speed.py checks it against NumPy).
+    ``filled`` (shaped as ``out``) gets 1 where a permutation was written."""
+    s = np.empty(4, dtype=np.uint64)
+    for p in range(len(counts)):
+        n = counts[p]
+        s[:] = states[p]
+        spare, has_spare = _U(0), False
+        for r in range(reps):
+            row = out[p, r * stride[p] : r * stride[p] + n]
+            filled[p, r * stride[p] : r * stride[p] + n] = 1
+            for k in range(n):
+                row[k] = k
+            for i in range(n - 1, 0, -1):
+                mask = _U(i)
+                mask |= mask >> _U(1)
+                mask |= mask >> _U(2)
+                mask |= mask >> _U(4)
+                mask |= mask >> _U(8)
+                mask |= mask >> _U(16)
+                while True:  # a uint32: the spare half, else the low half of a new uint64
+                    if has_spare:
+                        v, has_spare = spare, False
+                    else:
+                        w = _pcg64_next(s)
+                        v, spare, has_spare = w & _M32, w >> _U(32), True
+                    v &= mask
+                    if v <= _U(i):
+                        break
+                j = np.int64(v)
+                row[i], row[j] = row[j], row[i]
