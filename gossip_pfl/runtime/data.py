@@ -440,6 +440,14 @@ class BatchPlanner:
         self._pool: ThreadPoolExecutor | None = None
         self._pid = 0
         self._ahead: dict[int, tuple[tuple, Future]] = {}  # stream -> (arguments, plan)
+        # the compiled shuffles load now, with the run's setup: numba's start (about 0.3 s
+        # of mostly Python, which no thread would hide) is not the first round's
+        round_batches(np.array([2]), np.array([0]), 0, 0, 2)
+
+    def _executor(self) -> ThreadPoolExecutor:
+        if self._pool is None or self._pid != os.getpid():  # a forked child has no thread
+            self._pool, self._pid = ThreadPoolExecutor(1, "batch-plan"), os.getpid()
+        return self._pool
 
     def __call__(
         self, counts: np.ndarray, peers: np.ndarray, seed: int, round_: int, batch_size: int,
@@ -456,9 +464,7 @@ class BatchPlanner:
             plan = ahead[1].result()
         else:
             plan = _plan(counts, peers, seed, round_, *rest)
-        if self._pool is None or self._pid != os.getpid():  # a forked child has no thread
-            self._pool, self._pid = ThreadPoolExecutor(1, "batch-plan"), os.getpid()
-        nxt = self._pool.submit(_plan, counts, peers, seed, round_ + 1, *rest)
+        nxt = self._executor().submit(_plan, counts, peers, seed, round_ + 1, *rest)
         self._ahead[stream] = ((*key, round_ + 1), nxt)
         return plan
 
