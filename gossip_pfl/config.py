@@ -186,9 +186,10 @@ class RuntimeConfig:
     #: autocast; losses, gradients and parameters stay float32. Helps convolutional models on
     #: a GPU (tensor cores); on a CPU it may be slower. The closed-form linear step is float32.
     precision: str = "float32"
-    #: CPU only: the binary linear model's local round, E-step losses and scores as compiled
-    #: loops (numba; gossip_pfl/runtime/kernels.py), one pass over a peer's samples; false runs
-    #: them as torch operations, as on a GPU (the same numbers up to float rounding)
+    #: CPU only: the binary linear model's local round (with a mixture's E-step, peer by peer
+    #: before its steps), E-step losses and scores as compiled loops (numba;
+    #: gossip_pfl/runtime/kernels.py); false runs them as torch operations, as on a GPU (the
+    #: same numbers up to float rounding)
     cpu_kernels: bool = True
     timeout_s: float = 300.0  #: a rank waits this long for a dead peer before failing
     metrics_every: int = 1  #: ignored, kept so older run configs load (metrics follow eval.every)

@@ -1,5 +1,6 @@
-"""Compiled CPU loops (numba) for the binary linear model: a round of plain SGD, the E-step's
-losses and the mixture's scores, each one pass over a peer's samples.
+"""Compiled CPU loops (numba) for the binary linear model: a round of plain SGD (with FedEM's
+E-step, peer by peer, before the peer's steps), the E-step's losses and the mixture's scores,
+each one pass over a peer's samples; and the round plan's shuffles (:func:`permutations`).
 
 Why: with M = 3 components the linear model's products have three output columns, which
 torch runs as small batched GEMMs far below this CPU's memory speed, and a step first gathers
