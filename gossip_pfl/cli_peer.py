@@ -110,6 +110,10 @@ def cmd_peer(args: argparse.Namespace) -> int:
         )
     faults = Faults(rt.faults.drop, rt.faults.ack_drop,
                     cfg.seed if rt.faults.seed is None else rt.faults.seed)  # fmt: skip
+    if args.after_pid:  # a standby: what it can load before the crash is not the restart's
+        from gossip_pfl.runtime.data import warm_up
+
+        warm_up()
     deadline = time.monotonic() + rt.timeout_s
     while args.after_pid and _alive(args.after_pid):  # the crashed process may not have
         if time.monotonic() > deadline:  # bound our port yet: a bind now would take it

@@ -440,9 +440,7 @@ class BatchPlanner:
         self._pool: ThreadPoolExecutor | None = None
         self._pid = 0
         self._ahead: dict[int, tuple[tuple, Future]] = {}  # stream -> (arguments, plan)
-        # the compiled shuffles load now, with the run's setup: numba's start (about 0.3 s
-        # of mostly Python, which no thread would hide) is not the first round's
-        round_batches(np.array([2]), np.array([0]), 0, 0, 2)
+        warm_up()  # with the run's setup, not in its first round
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None or self._pid != os.getpid():  # a forked child has no thread
@@ -474,6 +472,12 @@ def _plan(counts, peers, seed, round_, batch_size, epochs, steps, stream, post, 
         counts, peers, seed, round_, batch_size, epochs, steps, stream, mean
     )
     return (idx, weight) if post is None else (idx, weight, post(idx, weight))
+
+
+def warm_up() -> None:
+    """Load the plan's compiled shuffles now: numba's start takes about 0.3 s of mostly
+    Python (which no thread would hide); once per process."""
+    round_batches(np.array([2]), np.array([0]), 0, 0, 2)
 
 
 def _compiled_permutations():
