@@ -116,16 +116,17 @@ def sgd_round(lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q, p
 
         theta_m += sum_b c_bm (sigmoid(z_bm) - y_b) x_b,   c_bm = step * w_b * q_bm,
 
-    every z_bm at the step's starting theta. A batch is a set: its samples are visited in the
-    order they are stored, so that the CPU prefetches their rows (``slot[n]``: sample n's
-    place in the batch, -1 if not in it)."""
+    every z_bm at the step's starting theta. A batch's samples are visited in the order they
+    are stored, so that the CPU prefetches their rows (``in_batch[n]``: sample n's summed
+    weight in the batch, 0 if not in it; a sample drawn twice, as fixed local steps may draw
+    it across two permutations, counts twice)."""
     L, M, P = theta.shape
     S, B = idx.shape[1:]
     weighted = q.shape[0] > 0
     g = np.zeros((M, P), dtype=np.float32)
     z = np.zeros(M, dtype=np.float32)
     w = np.zeros(M, dtype=np.float32)
-    slot = np.full(labels.shape[1], -1, dtype=np.int64)
+    in_batch = np.zeros(labels.shape[1], dtype=np.float32)
     for p in range(lo, hi):
         th = theta[p]
         if pi.shape[0] > 0:
@@ -134,18 +135,18 @@ def sgd_round(lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q, p
             taken = False
             for b in range(B):
                 if weight[p, s, b] > 0:
-                    slot[idx[p, s, b]] = b
+                    in_batch[idx[p, s, b]] += weight[p, s, b]
                     taken = True
             if not taken:
                 continue
             for n in range(counts[p]):
-                b = slot[n]
-                if b < 0:
+                wn = in_batch[n]
+                if wn == 0:
                     continue
-                slot[n] = -1
+                in_batch[n] = 0
                 row = x[offsets[p] + n]
                 _dots(th, row, P, z)
-                wc = weight[p, s, b] * step[p]
+                wc = wn * step[p]
                 yn = np.float32(labels[p, n])
                 for m in range(M):
                     c = wc * q[p, m, n] if weighted else wc
