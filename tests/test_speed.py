@@ -431,6 +431,26 @@ def test_round_plan_in_one_compiled_call_equals_peer_by_peer(epochs, batch, mean
         assert a.shape == b.shape and np.array_equal(a, b)
 
 
+def test_round_plan_without_a_loadable_numba_is_numpys(monkeypatch):
+    """numba that cannot load (its cache=True raises RuntimeError where no cache folder is
+    writable) leaves the plan to NumPy's shuffles, with the same numbers, not a crash."""
+    import types
+
+    from gossip_pfl.runtime import data
+
+    class Broken(types.ModuleType):
+        def __getattr__(self, name):
+            raise RuntimeError("cannot cache function 'permutations': no locator available")
+
+    counts, peers = np.array([3, 0, 40]), np.arange(3)
+    want = data.round_batches(counts, peers, 1, 2, 8)
+    monkeypatch.setattr(data, "_PERMUTATIONS", None)
+    monkeypatch.setitem(sys.modules, "gossip_pfl.runtime.kernels", Broken("kernels"))
+    got = data.round_batches(counts, peers, 1, 2, 8)
+    assert data._PERMUTATIONS is False
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+
+
 def _count_peers(lo: int, hi: int, out: np.ndarray) -> None:
     out[lo:hi] += 1
 

@@ -389,7 +389,9 @@ def round_batches(
     idx = np.zeros((L, width), dtype=np.int64)
     weight = np.zeros((L, width), dtype=np.float32)
     generators = _KeyedGenerators(seed, round_, stream, peers)
-    if steps is None and generators.states is not None and _compiled_permutations():
+    # (the compiled draws are NumPy's for peers below 2**32 samples: its 32-bit branch)
+    small = int(counts.max(initial=0)) < 2**32
+    if steps is None and small and generators.states is not None and _compiled_permutations():
         # epochs: every peer's permutations in one compiled call (the same draws as below)
         block = per_epoch * batch_size
         _compiled_permutations()(generators.words(), counts, epochs, block, idx, weight)
@@ -486,7 +488,9 @@ def _compiled_permutations():
     if _PERMUTATIONS is None:
         try:
             from gossip_pfl.runtime.kernels import permutations
-        except ImportError:
+        # no numba, or numba that cannot load (its cache=True raises RuntimeError where no
+        # cache folder is writable): NumPy's own shuffles, the same numbers
+        except (ImportError, RuntimeError, OSError):
             permutations = False
         _PERMUTATIONS = permutations
     return _PERMUTATIONS

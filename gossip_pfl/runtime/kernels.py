@@ -283,7 +283,8 @@ def permutations(states, counts, reps, stride, out, filled):
     ``np.arange(counts[l])``, ``reps`` times, of ``np.random.Generator(PCG64)`` in that state
     (NumPy's Fisher-Yates with ``random_interval``'s masked 32-bit draws, the second half of
     each 64-bit output kept for the next draw; tests/test_speed.py checks it against NumPy).
-    ``filled`` (shaped as ``out``) gets 1 where a permutation was written."""
+    ``filled`` (shaped as ``out``) gets 1 where a permutation was written. Only NumPy's
+    32-bit branch is here: counts below 2**32 (round_batches checks)."""
     s = np.empty(4, dtype=np.uint64)
     for p in range(len(counts)):
         n = counts[p]

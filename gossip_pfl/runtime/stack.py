@@ -103,7 +103,9 @@ class BatchedForward:
         if self.kernels:
             try:  # numba loads only for these
                 from gossip_pfl.runtime import kernels
-            except ImportError:  # a machine without numba (a lent GPU's): torch operations
+            # a machine without numba (a lent GPU's), or one where it cannot load (no
+            # writable cache folder): torch operations
+            except (ImportError, RuntimeError, OSError):
                 self.kernels = False
             else:
                 self._kernels = kernels
