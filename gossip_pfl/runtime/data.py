@@ -391,10 +391,10 @@ def round_batches(
     generators = _KeyedGenerators(seed, round_, stream, peers)
     # (the compiled draws are NumPy's for peers below 2**32 samples: its 32-bit branch)
     small = int(counts.max(initial=0)) < 2**32
-    if steps is None and small and generators.states is not None and _compiled_permutations():
+    compiled = _compiled_permutations()
+    if steps is None and small and generators.states is not None and compiled:
         # epochs: every peer's permutations in one compiled call (the same draws as below)
-        block = per_epoch * batch_size
-        _compiled_permutations()(generators.words(), counts, epochs, block, idx, weight)
+        compiled(generators.words(), counts, epochs, per_epoch * batch_size, idx, weight)
     else:
         _draw_plan(generators, counts, per_epoch, batch_size, epochs, steps, idx, weight)
     shape = (L, n_steps, batch_size)
@@ -483,7 +483,7 @@ def warm_up() -> None:
 
 
 def _compiled_permutations():
-    """:func:`gossip_pfl.runtime.kernels.permutations`, or None without numba."""
+    """:func:`gossip_pfl.runtime.kernels.permutations`, or False without a loadable numba."""
     global _PERMUTATIONS
     if _PERMUTATIONS is None:
         try:
