@@ -142,6 +142,7 @@ def most_peers(args, mode: str) -> list[dict]:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         rows.append(row)
+        print(f"# {json.dumps(row)}", flush=True)
         peers *= 2
     return rows
 
@@ -171,6 +172,7 @@ def main() -> None:
         row, trainer = fedem_round(args, args.peers, mode)
         row["floor_s"] = floor_epoch(args, trainer, mode)
         rows.append(row)
+        print(f"# {json.dumps(row)}", flush=True)  # as it goes: a run cut short keeps these
         del trainer
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

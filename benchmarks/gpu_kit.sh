@@ -8,6 +8,7 @@
 #   benchmarks/gpu_kit.sh prepare   # here, with PyPI: wheels + Fashion-MNIST
 #   benchmarks/gpu_kit.sh test      # there (carry .gpu_kit): install, the test suite
 #   benchmarks/gpu_kit.sh bench     # there: synthetic 200 rounds, operations, the CNN
+#   benchmarks/gpu_kit.sh all       # there: both in one call (shorter limits; 15-minute leases)
 #
 # `test` and `bench` each fit one 10-minute call and write their logs to $OUT (at most 8
 # files come back). Each installs first, so either may run on a fresh machine.
@@ -16,6 +17,7 @@ cd "$(dirname "$0")/.."
 KIT=.gpu_kit
 PY=${PYTHON:-python3}
 OUT=${OUT:-runs/gpu_kit}
+ANCHOR=5e626a6  # the speed issue's anchor: 15.5 s for 200 synthetic rounds on an H100
 
 # cvxpy 1.6 (not 1.9: its extra solvers would not fit the carry) with SCS and Clarabel for
 # the FMMC weights, pyzmq for the peer-to-peer transport
@@ -32,6 +34,11 @@ prepare() {
         echo "gpu_kit: no Fashion-MNIST here: apt-get install -y dataset-fashion-mnist" >&2
         exit 2
     }
+    # the issue's anchor commit, to time it side by side on the same GPU (bench_wall.py needs
+    # the git history, which the device tool does not carry), and this machine's solved FMMC
+    # weights (a 300-node SDP takes seconds of the lease)
+    mkdir -p "$KIT/anchor" "$KIT/cache" && git archive "$ANCHOR" | tar -x -C "$KIT/anchor" || exit 2
+    cp -r "${GOSSIP_PFL_CACHE:-$HOME/.cache/gossip-pfl}/fmmc" "$KIT/cache/" 2>/dev/null || true
     du -sh "$KIT"
 }
 
@@ -68,6 +75,25 @@ stage() {
     return 0
 }
 
+# bench SYNTHETIC_S OPS_S CNN_S MAX_PEERS: 200 synthetic rounds on the GPU (two runs of this
+# tree, one of the anchor), operations per round, the CNN
+bench() {
+    export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
+    stage synthetic "$1" bash -c 'set -o pipefail; for i in 1 2; do
+        $PY -m gossip_pfl run configs/synthetic/dfedem.yaml --no-plots --overwrite \
+            --set runtime.device=$DEV --out runs/gpu_kit/synthetic$i \
+            | grep -E "wall_s|test_acc" || exit 1
+    done
+    if [ -d .gpu_kit/anchor ]; then echo "anchor:"; cd .gpu_kit/anchor && \
+        PYTHONPATH=$PWD:$PYTHONPATH $PY -m gossip_pfl run configs/synthetic/dfedem.yaml \
+            --overwrite --set runtime.device=$DEV --out /tmp/anchor_run | grep -E "wall_s|test_acc"
+    fi'
+    stage ops "$2" $PY benchmarks/bench_ops.py --rounds 5 --set runtime.device=$DEV \
+        --json "$OUT/bench_ops.json"
+    stage cnn "$3" $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers "$4" \
+        --json "$OUT/bench_cnn.json"
+}
+
 case "${1:-}" in
     prepare) prepare ;;
     test)
@@ -75,22 +101,14 @@ case "${1:-}" in
         # the whole suite, with the GPU visible (CPU tests pin the CPU; `cuda` tests run)
         stage tests 500 $PY -m pytest -n 8 -rs
         ;;
-    bench)
+    bench) install; bench 120 100 250 3200 ;;
+    all)
         install
-        export OMP_NUM_THREADS=1 PY
-        # three 200-round runs on the GPU (the issue's anchor: 15.5 s on an H100)
-        stage synthetic 120 bash -c 'set -o pipefail; for i in 1 2 3; do
-            $PY -m gossip_pfl run configs/synthetic/dfedem.yaml --no-plots --overwrite \
-                --set runtime.device=cuda --out runs/gpu_kit/synthetic$i \
-                | grep -E "wall_s|test_acc" || exit 1
-        done'
-        stage ops 100 $PY benchmarks/bench_ops.py --rounds 5 --set runtime.device=cuda \
-            --json "$OUT/bench_ops.json"
-        stage cnn 250 $PY benchmarks/bench_cnn.py --device cuda --rounds 3 --max-peers 3200 \
-            --json "$OUT/bench_cnn.json"
+        stage tests 200 $PY -m pytest -n 14 -rs -q
+        bench 150 60 150 1600
         ;;
     *)
-        echo "usage: benchmarks/gpu_kit.sh prepare|test|bench" >&2
+        echo "usage: benchmarks/gpu_kit.sh prepare|test|bench|all" >&2
         exit 2
         ;;
 esac

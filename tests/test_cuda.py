@@ -45,7 +45,7 @@ def test_rows_added_on_cuda_give_the_cpu_bits(monkeypatch):
     rows = torch.randn(4, 1001, generator=g)
     out = {}
     for dev in ("cpu", "cuda"):
-        o = base.to(dev)
+        o = base.to(dev, copy=True)  # .to("cpu") of a CPU tensor is that tensor itself
         flat = rows.to(dev).reshape(-1)
         parts = list(flat[1001:].split(999))  # pieces across rows
         exchange.add_rows(o, w.to(dev), [(0, 1, [flat[:1001]]), (1, 3, parts)])
