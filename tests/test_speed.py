@@ -187,6 +187,43 @@ def test_fused_e_step_with_partial_participation_equals_torch_operations(tmp_pat
     torch.testing.assert_close(runs[0].personal["pi"], runs[1].personal["pi"])
 
 
+@pytest.mark.parametrize("participation", [1.0, 0.5])
+def test_gpu_layout_equals_cpu_layout_on_the_cpu(participation, monkeypatch, tmp_path):
+    """A GPU's layout (every peer in every step, one piece per split: data.dense_layout) run
+    on the CPU with the torch operations == the CPU's trimmed steps and pieces: parameters
+    and mixture weights after three rounds, with peers sitting out too."""
+    from gossip_pfl.runtime import data
+
+    algorithm = {**CASES["dfedem (fused SGD update)"], "q_smoothing": 0.05}
+    runs, steps = [], {}
+    real = data.linear_round
+
+    def spy(host, *args):
+        steps.setdefault(dense, []).append(host.sizes)
+        return real(host, *args)
+
+    monkeypatch.setattr("gossip_pfl.runtime.stack.linear_round", spy)
+    for dense in (False, True):
+        monkeypatch.setattr(data, "dense_layout", lambda device, d=dense: d)
+        monkeypatch.setattr("gossip_pfl.train.dense_layout", lambda device, d=dense: d)
+        tr = trainer(tmp_path / str(dense), "auto", algorithm, cpu_kernels=False)
+        tr.cfg.participation = participation
+        tr.n_active = max(1, int(len(tr.peers) * participation))
+        runs.append(rounds(tr))
+        pieces = tr.train.chunk_plan(tr.eval_chunk)
+        assert (len(pieces) == 1) == dense  # the E-step's pieces
+    L = len(runs[0].peers)
+    assert all(a == L for sizes in steps[True] for a in sizes)
+    assert any(a < L for sizes in steps[False] for a in sizes)
+    monkeypatch.setattr(data, "DENSE_SAMPLES", 0)  # past the cap: the trimmed steps
+    idx, weight = data.round_batches(tr.counts, tr.train_ids, 3, 0, 16)
+    host = data.linear_host(tr.train, 16, idx, weight, dense=True)
+    assert host.sizes == [int((weight[s].sum(-1) > 0).sum()) for s in range(len(idx))]
+    np.testing.assert_allclose(runs[0].shared_parameters(), runs[1].shared_parameters(),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(runs[0].personal["pi"], runs[1].personal["pi"])
+
+
 def test_closed_form_multiclass_gradient_equals_autograd(tmp_path):
     """Softmax head (multiclass task): the closed-form gradient and loss are autograd's."""
     from gossip_pfl.algorithms.base import weighted_loss_grad

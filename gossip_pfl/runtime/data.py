@@ -97,6 +97,10 @@ class PaddedSplit:
             return plans[budget]
         counts, L = self.host_counts, len(self.host_counts)
         n_max = self.y.shape[1]
+        if dense_layout(self.y.device) and 0 < L * n_max <= budget:
+            # a GPU: one call over the padded stack (views), its padding cheaper than calls
+            plans[budget] = [(torch.arange(L, device=self.y.device), slice(None), slice(0, n_max))]
+            return plans[budget]
         plan, start = [], 0
         while start < n_max:
             active = np.flatnonzero(counts > start)
@@ -312,21 +316,45 @@ class LinearHost:
     y: np.ndarray
 
 
+#: most samples a round's dense steps hold (:func:`linear_host`): past it (thousands of
+#: peers) the padding's gathers and products would cost the GPU more than the host saves
+DENSE_SAMPLES = 1 << 21
+
+
 def linear_host(
-    split: PaddedSplit, batch_size: int, idx: np.ndarray, weight: np.ndarray
-) -> LinearHost:
-    """:class:`LinearHost` of :func:`round_batches`' plan (idx, weight) over ``split``."""
+    split: PaddedSplit, batch_size: int, idx: np.ndarray, weight: np.ndarray,
+    dense: bool = False,
+) -> LinearHost:  # fmt: skip
+    """:class:`LinearHost` of :func:`round_batches`' plan (idx, weight) over ``split``.
+
+    ``dense``: every step holds every peer, those past their epoch with weight 0 (a GPU's
+    choice: a step is then a few operations on views of the whole stack, without the rows'
+    gathers and scatter-adds, whose deterministic CUDA form sorts; the extra products cost
+    the GPU microseconds and save the host most of a round), up to :data:`DENSE_SAMPLES`
+    samples a round. A zero-weight sample adds exactly 0 to its peer's parameters."""
     filled = weight.sum(-1)  # (S, L): > 0 where the peer takes the step
-    rows = [(s, r) for s in range(idx.shape[0]) if len(r := np.flatnonzero(filled[s] > 0))]
+    L = idx.shape[1]
+    every = np.arange(L)
+    steps = [s for s in range(idx.shape[0]) if filled[s].any()]
+    dense = dense and L * len(steps) * idx.shape[-1] <= DENSE_SAMPLES
+    rows = [(s, every if dense else np.flatnonzero(filled[s] > 0)) for s in steps]
     if not rows:
         empty = np.zeros((0, idx.shape[-1]), dtype=np.int64)
         return LinearHost([], np.zeros(0, dtype=np.int64), empty, empty, empty, empty)
     r_all = np.concatenate([r for _, r in rows])
     ix = np.concatenate([idx[s, r] for s, r in rows])  # (sum A, B)
     wt = np.concatenate([weight[s, r] for s, r in rows]) * np.float32(1.0 / batch_size)
-    pos = split.offsets[r_all][:, None] + ix
+    # a padded or finished peer's places point at a real sample (weight 0: it adds nothing)
+    pos = np.minimum(split.offsets[r_all][:, None] + ix, max(0, int(split.host_counts.sum()) - 1))
     y = split.host_y[r_all[:, None], ix].astype(np.float32)
     return LinearHost([len(r) for _, r in rows], r_all, ix, pos, wt, y)
+
+
+def dense_layout(device: torch.device) -> bool:
+    """Whether work on ``device`` goes in few wide calls over the padded stack (every peer
+    in every step, one piece per split) rather than the CPU's trimmed ones: on a GPU the host's
+    launches, not the padding's flops, are what a round costs."""
+    return device.type != "cpu"
 
 
 def linear_round(
