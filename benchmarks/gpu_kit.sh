@@ -76,7 +76,7 @@ stage() {
 }
 
 # bench SYNTHETIC_S OPS_S CNN_S MAX_PEERS: 200 synthetic rounds on the GPU (two runs of this
-# tree, one of the anchor), operations per round, the CNN
+# tree, one of the anchor), operations per round, a profile of a round, the CNN
 bench() {
     export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
     stage synthetic "$1" bash -c 'set -o pipefail; for i in 1 2; do
@@ -90,6 +90,7 @@ bench() {
     fi'
     stage ops "$2" $PY benchmarks/bench_ops.py --rounds 5 --set runtime.device=$DEV \
         --json "$OUT/bench_ops.json"
+    stage profile 60 $PY benchmarks/gpu_profile.py
     stage cnn "$3" $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers "$4" \
         --json "$OUT/bench_cnn.json"
 }
