@@ -58,7 +58,7 @@ _TINY = np.float32(1e-30)
 
 
 @njit(inline="always", fastmath=_FAST)
-def _e_step(th, x, base, n_p, labels, pi, eps, q, new_pi, z, w):
+def _e_step(th, x, base, n_p, labels, pi, eps, q, new_pi, z, w, zs):
     """One peer's E-step (FedEM): q_mn = pi_m p_m(y_n | x_n) / sum_k pi_k p_k(y_n | x_n), the
     likelihood p_m = sigmoid(+-z_mn) at the components ``th`` (M, P); ``q`` (M, N) gets the
     responsibilities smoothed towards 1 / M by ``eps`` (0 on padding), ``new_pi`` (M,) their
@@ -72,6 +72,8 @@ def _e_step(th, x, base, n_p, labels, pi, eps, q, new_pi, z, w):
     acc = np.zeros(M, dtype=np.float64)
     for n in range(n_p):
         _dots(th, x[base + n], th.shape[1], z)
+        for m in range(M):
+            zs[m, n] = z[m]
         sign = one if labels[n] == 1 else -one
         total = np.float32(0.0)
         for m in range(M):
@@ -112,7 +114,9 @@ def sgd_round(lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q, p
     With ``pi`` (L, M) (not shape (0, 0)), each peer's E-step (:func:`_e_step`, smoothing
     ``eps``) first writes its ``q`` and ``new_pi`` from theta as the round starts: its
     samples are then in the core's cache for its steps (a separate pass over every peer
-    leaves them in memory, and the steps' scattered reads wait on it). A step is
+    leaves them in memory, and the steps' scattered reads wait on it), and keeps the logits:
+    the peer's first step, still at the round's start, reads them instead of its dot products
+    (the same numbers; 0.9x the round's time on one thread). A step is
 
         theta_m += sum_b c_bm (sigmoid(z_bm) - y_b) x_b,   c_bm = step * w_b * q_bm,
 
@@ -127,10 +131,14 @@ def sgd_round(lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q, p
     z = np.zeros(M, dtype=np.float32)
     w = np.zeros(M, dtype=np.float32)
     in_batch = np.zeros(labels.shape[1], dtype=np.float32)
+    e_step = pi.shape[0] > 0
+    zs = np.zeros((M, labels.shape[1] if e_step else 0), dtype=np.float32)
     for p in range(lo, hi):
         th = theta[p]
-        if pi.shape[0] > 0:
-            _e_step(th, x, offsets[p], counts[p], labels[p], pi[p], eps, q[p], new_pi[p], z, w)
+        if e_step:
+            _e_step(th, x, offsets[p], counts[p], labels[p], pi[p], eps, q[p], new_pi[p], z, w,
+                    zs)  # fmt: skip
+        stepped = False
         for s in range(S):
             taken = False
             for b in range(B):
@@ -139,13 +147,19 @@ def sgd_round(lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q, p
                     taken = True
             if not taken:
                 continue
+            first = not stepped
+            stepped = True
             for n in range(counts[p]):
                 wn = in_batch[n]
                 if wn == 0:
                     continue
                 in_batch[n] = 0
                 row = x[offsets[p] + n]
-                _dots(th, row, P, z)
+                if e_step and first:  # theta is the round's start: the E-step's logits
+                    for m in range(M):
+                        z[m] = zs[m, n]
+                else:
+                    _dots(th, row, P, z)
                 wc = wn * step[p]
                 yn = np.float32(labels[p, n])
                 for m in range(M):
