@@ -85,6 +85,7 @@ def main() -> None:
         evals.append(clock() - a0)
     print("evaluation ms:", [round(1e3 * e, 2) for e in evals])
     graph_of_steps(tr, rounds)
+    uploads(tr)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         rounds(3)
         sync()
@@ -137,6 +138,49 @@ def graph_of_steps(tr: Trainer, rounds) -> None:
     graph_s = (time.perf_counter() - a0) / 20
     print(f"graph of a round's {len(plan.pos)} steps: eager {eager_s * 1e3:.3f} ms, "
           f"replayed {graph_s * 1e3:.3f} ms, the same bits: {same}")  # fmt: skip
+
+
+def uploads(tr: Trainer) -> None:
+    """A round's plan uploads (the fused linear path's five arrays) as the code makes them,
+    from pageable memory, against copies through one pinned buffer kept across rounds."""
+    import numpy as np
+
+    from gossip_pfl.runtime.data import linear_host, round_batches
+
+    idx, weight = round_batches(tr.counts, tr.train_ids[tr.peers], tr.cfg.seed, 0,
+                                tr.cfg.algorithm.batch_size)  # fmt: skip
+    host = linear_host(tr.train, tr.cfg.algorithm.batch_size, idx, weight, dense=True)
+    M, n_max = tr.M, tr.train.y.shape[1]
+    qpos = (host.r_all * (M * n_max))[:, None, None] + host.ix[:, :, None] + np.arange(M) * n_max
+    arrays = [host.wt[:, :, None], qpos, -host.y[:, :, None], host.r_all, host.pos.ravel()]
+    device = tr.device
+    total = sum(a.nbytes for a in arrays)
+    staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)
+    out = torch.empty(total, dtype=torch.uint8, device=device)
+
+    def pageable() -> None:
+        for a in arrays:
+            torch.as_tensor(a, device=device)
+
+    def pinned() -> None:
+        at = 0
+        for a in arrays:
+            staging[at : at + a.nbytes].numpy()[:] = a.reshape(-1).view(np.uint8)
+            at += a.nbytes
+        out.copy_(staging, non_blocking=True)
+        torch.cuda.current_stream().synchronize()  # before the buffer is written again
+
+    for name, fn in (("pageable", pageable), ("one pinned buffer", pinned)):
+        fn()
+        times = []
+        for _ in range(20):
+            torch.cuda.synchronize()
+            a0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - a0)
+        print(f"plan uploads, {total / 2**20:.1f} MiB, {name}: "
+              f"{statistics.median(times) * 1e3:.3f} ms")  # fmt: skip
 
 
 if __name__ == "__main__":
