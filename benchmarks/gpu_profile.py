@@ -141,8 +141,9 @@ def graph_of_steps(tr: Trainer, rounds) -> None:
 
 
 def uploads(tr: Trainer) -> None:
-    """A round's plan uploads (the fused linear path's five arrays) as the code makes them,
-    from pageable memory, against copies through one pinned buffer kept across rounds."""
+    """A round's plan uploads (the fused linear path's two arrays, data.linear_round) as the
+    code makes them, from pageable memory, against copies through one pinned buffer kept
+    across rounds."""
     import numpy as np
 
     from gossip_pfl.runtime.data import linear_host, round_batches
@@ -150,9 +151,7 @@ def uploads(tr: Trainer) -> None:
     idx, weight = round_batches(tr.counts, tr.train_ids[tr.peers], tr.cfg.seed, 0,
                                 tr.cfg.algorithm.batch_size)  # fmt: skip
     host = linear_host(tr.train, tr.cfg.algorithm.batch_size, idx, weight, dense=True)
-    M, n_max = tr.M, tr.train.y.shape[1]
-    qpos = (host.r_all * (M * n_max))[:, None, None] + host.ix[:, :, None] + np.arange(M) * n_max
-    arrays = [host.wt[:, :, None], qpos, -host.y[:, :, None], host.r_all, host.pos.ravel()]
+    arrays = [np.stack([host.wt, -host.y]), np.concatenate([host.r_all, host.ix.ravel()])]
     device = tr.device
     total = sum(a.nbytes for a in arrays)
     staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)

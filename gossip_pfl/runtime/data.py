@@ -130,6 +130,11 @@ class PaddedSplit:
         return np.concatenate([[0], np.cumsum(self.host_counts)[:-1]]).astype(np.int64)
 
     @cached_property
+    def device_offsets(self) -> torch.Tensor:
+        """:attr:`offsets` on the split's device, uploaded once."""
+        return torch.as_tensor(self.offsets, device=self.y.device)
+
+    @cached_property
     def augmented(self) -> torch.Tensor:
         """(real samples, features + 1): the real samples only (no padding), flattened, with a
         column of ones appended, peer-major (see :attr:`offsets`). A linear model's [W, b]
@@ -305,13 +310,11 @@ class LinearHost:
     """The host side of a :class:`LinearRound`, a pure function of the round's minibatch
     plan (so the planner draws it ahead, :class:`BatchPlanner`): per step the peers still in
     their epoch (``sizes``: how many), and over all steps their rows ``r_all``, sample
-    indices ``ix`` (sum A, B), positions in :attr:`PaddedSplit.augmented` ``pos``, sample
-    weights / B ``wt`` and labels ``y``."""
+    indices ``ix`` (sum A, B), sample weights / B ``wt`` and labels ``y``."""
 
     sizes: list
     r_all: np.ndarray
     ix: np.ndarray
-    pos: np.ndarray
     wt: np.ndarray
     y: np.ndarray
 
@@ -340,14 +343,12 @@ def linear_host(
     rows = [(s, every if dense else np.flatnonzero(filled[s] > 0)) for s in steps]
     if not rows:
         empty = np.zeros((0, idx.shape[-1]), dtype=np.int64)
-        return LinearHost([], np.zeros(0, dtype=np.int64), empty, empty, empty, empty)
+        return LinearHost([], np.zeros(0, dtype=np.int64), empty, empty, empty)
     r_all = np.concatenate([r for _, r in rows])
     ix = np.concatenate([idx[s, r] for s, r in rows])  # (sum A, B)
     wt = np.concatenate([weight[s, r] for s, r in rows]) * np.float32(1.0 / batch_size)
-    # a padded or finished peer's places point at a real sample (weight 0: it adds nothing)
-    pos = np.minimum(split.offsets[r_all][:, None] + ix, max(0, int(split.host_counts.sum()) - 1))
     y = split.host_y[r_all[:, None], ix].astype(np.float32)
-    return LinearHost([len(r) for _, r in rows], r_all, ix, pos, wt, y)
+    return LinearHost([len(r) for _, r in rows], r_all, ix, wt, y)
 
 
 def dense_layout(device: torch.device) -> bool:
@@ -369,16 +370,24 @@ def linear_round(
     L, n_max = split.y.shape
     with np.errstate(invalid="ignore", over="ignore"):  # a NaN lr: the finite check names it
         wc = host.wt * neg_step[r_all][:, None]  # (sum A, B) f32: -step * weight / B
-    dev = split.y.device
-    up = lambda a: torch.as_tensor(a, device=dev)  # noqa: E731
-    coef = up(wc[:, :, None])  # (sum A, B, 1)
+    # two uploads (on a GPU a copy from pageable memory waits for the queued kernels), the
+    # floats and the indices; the samples' and q's positions are worked out on the device
+    dev, B = split.y.device, ix.shape[1]
+    floats = torch.as_tensor(np.stack([wc, -host.y]), device=dev)  # (2, sum A, B)
+    ints = torch.as_tensor(np.concatenate([r_all, ix.ravel()]), device=dev)
+    rows_d, ix_d = ints.split([len(r_all), ix.size])
+    ix_d = ix_d.view(-1, B)
+    # a padded or finished peer's places point at a real sample (weight 0: it adds nothing)
+    last = max(0, int(split.host_counts.sum()) - 1)
+    pos = (split.device_offsets[rows_d][:, None] + ix_d).clamp_max_(last).view(-1)
+    coef = floats[0, :, :, None]  # (sum A, B, 1): -step * weight / B
     if q is not None:  # q[peer, m, sample]: one take over the flattened (L, M, N) tensor
         M = q.shape[1]
-        qpos = (r_all * (M * n_max))[:, None, None] + (np.arange(M) * n_max)[None, None, :]
-        coef = q.take(up(qpos + ix[:, :, None])).mul_(coef)  # (sum A, B, M)
-    ycoef = up(-host.y[:, :, None]) * coef
-    row_list = [None if a == L else r for a, r in zip(sizes, up(r_all).split(sizes))]
-    pos = up(host.pos.reshape(-1)).split([a * host.pos.shape[1] for a in sizes])
+        first = (rows_d * (M * n_max))[:, None, None] + ix_d[:, :, None]
+        coef = q.take(first + torch.arange(0, M * n_max, n_max, device=dev)).mul_(coef)
+    ycoef = floats[1, :, :, None] * coef
+    row_list = [None if a == L else r for a, r in zip(sizes, rows_d.split(sizes))]
+    pos = pos.split([a * B for a in sizes])
     return LinearRound(row_list, pos, coef.split(sizes), ycoef.split(sizes))
 
 
