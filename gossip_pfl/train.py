@@ -188,7 +188,9 @@ class Trainer(RoundLoop):
         model = model_fn().to(self.device)
         self.layout = ParamLayout(model)
         kernels = rt.cpu_kernels and self.device.type == "cpu"
-        self.forward = BatchedForward(model, self.layout, rt.batching, rt.precision, kernels)
+        graphs = rt.cuda_graphs and self.device.type == "cuda"
+        self.forward = BatchedForward(model, self.layout, rt.batching, rt.precision, kernels,
+                                      graphs)  # fmt: skip
         self.task = task
         # Samples per batched call (0 in the config: the model's CPU hint, else no limit for
         # steps and 16384 for evaluation). On a GPU bigger calls are better, so no hint there.

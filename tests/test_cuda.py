@@ -51,3 +51,18 @@ def test_rows_added_on_cuda_give_the_cpu_bits(monkeypatch):
         exchange.add_rows(o, w.to(dev), [(0, 1, [flat[:1001]]), (1, 3, parts)])
         out[dev] = o.cpu()
     assert torch.equal(out["cpu"], out["cuda"])
+
+
+def test_cuda_graph_steps_equal_eager_steps(tmp_path):
+    """runtime.cuda_graphs: the round's SGD steps captured in the first round and replayed in
+    the next three give the eager steps' parameters and mixture weights."""
+    case = {**CASES["dfedem (fused SGD update)"], "q_smoothing": 0.05}
+    graphed = trainer(tmp_path / "graphs", "auto", case, device="cuda", cuda_graphs=True)
+    eager = trainer(tmp_path / "eager", "auto", case, device="cuda")
+    assert "CUDA graph" in graphed.forward.describe() and eager.forward.graphs is None
+    rounds(graphed, 4)
+    rounds(eager, 4)
+    assert len(graphed.forward.graphs.graphs) == 1  # captured once, then replayed
+    np.testing.assert_allclose(graphed.shared_parameters(), eager.shared_parameters(),
+                               rtol=1e-6, atol=1e-7)  # fmt: skip
+    torch.testing.assert_close(graphed.personal["pi"], eager.personal["pi"])

@@ -196,13 +196,13 @@ def test_gpu_layout_equals_cpu_layout_on_the_cpu(participation, monkeypatch, tmp
 
     algorithm = {**CASES["dfedem (fused SGD update)"], "q_smoothing": 0.05}
     runs, steps = [], {}
-    real = data.linear_round
+    real = data.linear_uploads
 
     def spy(host, *args):
         steps.setdefault(dense, []).append(host.sizes)
         return real(host, *args)
 
-    monkeypatch.setattr("gossip_pfl.runtime.stack.linear_round", spy)
+    monkeypatch.setattr("gossip_pfl.runtime.stack.linear_uploads", spy)
     for dense in (False, True):
         monkeypatch.setattr(data, "dense_layout", lambda device, d=dense: d)
         monkeypatch.setattr("gossip_pfl.train.dense_layout", lambda device, d=dense: d)
@@ -222,6 +222,15 @@ def test_gpu_layout_equals_cpu_layout_on_the_cpu(participation, monkeypatch, tmp
     np.testing.assert_allclose(runs[0].shared_parameters(), runs[1].shared_parameters(),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
     torch.testing.assert_close(runs[0].personal["pi"], runs[1].personal["pi"])
+
+
+def test_cuda_graphs_leave_a_cpu_run_as_it_is(tmp_path):
+    """runtime.cuda_graphs asks for nothing on a CPU: the same steps, no graph."""
+    case = CASES["dfedem (fused SGD update)"]
+    on = trainer(tmp_path / "on", "auto", case, cpu_kernels=False, cuda_graphs=True)
+    off = trainer(tmp_path / "off", "auto", case, cpu_kernels=False)
+    assert on.forward.graphs is None and on.forward.describe() == off.forward.describe()
+    np.testing.assert_array_equal(rounds(on).shared_parameters(), rounds(off).shared_parameters())
 
 
 def test_closed_form_multiclass_gradient_equals_autograd(tmp_path):

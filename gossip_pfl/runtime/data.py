@@ -358,37 +358,48 @@ def dense_layout(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
-def linear_round(
-    host: LinearHost, split: PaddedSplit, neg_step: np.ndarray, q: torch.Tensor | None
-) -> LinearRound:
-    """Build a :class:`LinearRound` from its host side: a few uploads and operations for the
-    whole round. ``neg_step`` (L,) float32 is each peer's -lr * factor * lr_scale; ``q``
-    (L, M, N) the responsibilities (None: weight 1)."""
+def linear_uploads(
+    host: LinearHost, split: PaddedSplit, neg_step: np.ndarray
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The device's copy of a round's :class:`LinearHost` (None: no step): two uploads (on a
+    GPU a copy from pageable memory waits for the queued kernels), the floats (2, sum A, B)
+    -step * weight / B and -y, and the indices (sum A + sum A * B) rows then sample indices;
+    :func:`linear_plan` works out the rest on the device. ``neg_step`` (L,) float32 is each
+    peer's -lr * factor * lr_scale."""
     if not host.sizes:
-        return LinearRound([], (), (), ())
-    r_all, ix, sizes = host.r_all, host.ix, host.sizes
-    L, n_max = split.y.shape
+        return None
     with np.errstate(invalid="ignore", over="ignore"):  # a NaN lr: the finite check names it
-        wc = host.wt * neg_step[r_all][:, None]  # (sum A, B) f32: -step * weight / B
-    # two uploads (on a GPU a copy from pageable memory waits for the queued kernels), the
-    # floats and the indices; the samples' and q's positions are worked out on the device
-    dev, B = split.y.device, ix.shape[1]
-    floats = torch.as_tensor(np.stack([wc, -host.y]), device=dev)  # (2, sum A, B)
-    ints = torch.as_tensor(np.concatenate([r_all, ix.ravel()]), device=dev)
-    rows_d, ix_d = ints.split([len(r_all), ix.size])
-    ix_d = ix_d.view(-1, B)
+        wc = host.wt * neg_step[host.r_all][:, None]  # (sum A, B) f32
+    dev = split.y.device
+    floats = torch.as_tensor(np.stack([wc, -host.y]), device=dev)
+    ints = torch.as_tensor(np.concatenate([host.r_all, host.ix.ravel()]), device=dev)
+    return floats, ints
+
+
+def linear_plan(
+    sizes: list, split: PaddedSplit, floats: torch.Tensor, ints: torch.Tensor,
+    q: torch.Tensor | None,
+) -> LinearRound:  # fmt: skip
+    """A :class:`LinearRound` from :func:`linear_uploads`' tensors, in device operations only
+    (so a CUDA graph can hold them): the samples' positions in :attr:`PaddedSplit.augmented`,
+    and with ``q`` (L, M, N) (the responsibilities; None: weight 1) each sample's share of
+    every component."""
+    L, n_max = split.y.shape
+    A, B = floats.shape[1:]
+    rows, ix = ints.split([A, A * B])
+    ix = ix.view(A, B)
     # a padded or finished peer's places point at a real sample (weight 0: it adds nothing)
     last = max(0, int(split.host_counts.sum()) - 1)
-    pos = (split.device_offsets[rows_d][:, None] + ix_d).clamp_max_(last).view(-1)
-    coef = floats[0, :, :, None]  # (sum A, B, 1): -step * weight / B
+    pos = (split.device_offsets[rows][:, None] + ix).clamp_max_(last).view(-1)
+    coef = floats[0, :, :, None]  # (sum A, B, 1)
     if q is not None:  # q[peer, m, sample]: one take over the flattened (L, M, N) tensor
         M = q.shape[1]
-        first = (rows_d * (M * n_max))[:, None, None] + ix_d[:, :, None]
-        coef = q.take(first + torch.arange(0, M * n_max, n_max, device=dev)).mul_(coef)
+        first = (rows * (M * n_max))[:, None, None] + ix[:, :, None]
+        coef = q.take(first + torch.arange(0, M * n_max, n_max, device=q.device)).mul_(coef)
     ycoef = floats[1, :, :, None] * coef
-    row_list = [None if a == L else r for a, r in zip(sizes, rows_d.split(sizes))]
-    pos = pos.split([a * B for a in sizes])
-    return LinearRound(row_list, pos, coef.split(sizes), ycoef.split(sizes))
+    row_list = [None if a == L else r for a, r in zip(sizes, rows.split(sizes))]
+    return LinearRound(row_list, pos.split([a * B for a in sizes]), coef.split(sizes),
+                       ycoef.split(sizes))  # fmt: skip
 
 
 def round_batches(

@@ -19,7 +19,8 @@ from torch.func import functional_call, vmap
 
 from gossip_pfl.errors import GossipError
 from gossip_pfl.models import Linear
-from gossip_pfl.runtime.data import linear_round
+from gossip_pfl.runtime.data import linear_plan, linear_uploads
+from gossip_pfl.runtime.graphs import GraphReplay
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ class BatchedForward:
 
     def __init__(
         self, model: nn.Module, layout: ParamLayout, batching: str = "auto",
-        precision: str = "float32", cpu_kernels: bool = False,
+        precision: str = "float32", cpu_kernels: bool = False, cuda_graphs: bool = False,
     ):  # fmt: skip
         if batching not in ("auto", "vmap", "loop"):
             raise GossipError(f"runtime.batching must be auto, vmap or loop (got {batching!r})")
@@ -100,6 +101,8 @@ class BatchedForward:
         self.closed_form = batching == "auto" and type(model) is Linear and precision == "float32"
         # on a CPU, the closed form's round, losses and scores as compiled loops (kernels.py)
         self.kernels = self.closed_form and cpu_kernels
+        # on a GPU, the closed form's steps as one CUDA graph (runtime/graphs.py)
+        self.graphs = GraphReplay() if self.closed_form and cuda_graphs else None
         if self.kernels:
             try:  # numba loads only for these
                 from gossip_pfl.runtime import kernels
@@ -245,8 +248,23 @@ class BatchedForward:
             return
         if isinstance(q, PendingEStep):
             raise RuntimeError("a pending E-step needs the compiled CPU loops (kernels)")
-        plan = linear_round(host[0], split, neg_step, q)
-        self._linear_sgd_steps(theta, split.augmented, plan)
+        host = host[0]
+        uploads = linear_uploads(host, split, neg_step)
+        if uploads is None:  # no peer takes a step
+            return
+        inputs = (*uploads, *(() if q is None else (q,)))
+
+        def steps(floats, ints, q=None) -> None:
+            plan = linear_plan(host.sizes, split, floats, ints, q)
+            self._linear_sgd_steps(theta, split.augmented, plan)
+
+        # a graph for the GPU layout's steps (every peer in each: views, no scatter-adds)
+        if self.graphs is not None and theta.is_cuda and min(host.sizes) == len(theta):
+            key = (tuple(host.sizes), theta.data_ptr(), split.augmented.data_ptr(),
+                   tuple(t.shape for t in inputs))  # fmt: skip
+            self.graphs(key, steps, *inputs)
+        else:
+            steps(*inputs)
 
     def _compiled(self, name: str, split, *args) -> None:
         """The compiled loop ``name`` of :mod:`gossip_pfl.runtime.kernels` over ``split``'s
@@ -362,6 +380,7 @@ class BatchedForward:
     def _describe(self) -> str:
         if self.closed_form:
             how = "compiled CPU loops" if self.kernels else "closed-form step"
+            how += ", its steps in a CUDA graph" if self.graphs is not None else ""
             return f"batched over peers and components (the model's batched layers, {how})"
         if self.mode == "vmap":
             how = "the model's batched layers" if self.native else "vmap"
