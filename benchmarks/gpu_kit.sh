@@ -75,13 +75,15 @@ stage() {
     return 0
 }
 
-# bench SYNTHETIC_S OPS_S CNN_S MAX_PEERS: 200 synthetic rounds on the GPU (two runs of this
-# tree, one of the anchor), operations per round, a profile of a round, the CNN
+# bench SYNTHETIC_S OPS_S CNN_S MAX_PEERS: 200 synthetic rounds on the GPU (this tree with
+# and without CUDA graphs, twice each, alternating; then the anchor), operations per round,
+# a profile of a round (both ways), the CNN
 bench() {
     export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
-    stage synthetic "$1" bash -c 'set -o pipefail; for i in 1 2; do
+    stage synthetic "$1" bash -c 'set -o pipefail; for g in false true false true; do
+        echo "runtime.cuda_graphs=$g:"
         $PY -m gossip_pfl run configs/synthetic/dfedem.yaml --no-plots --overwrite \
-            --set runtime.device=$DEV --out runs/gpu_kit/synthetic$i \
+            --set runtime.device=$DEV --set runtime.cuda_graphs=$g --out runs/gpu_kit/synthetic \
             | grep -E "wall_s|test_acc" || exit 1
     done
     if [ -d .gpu_kit/anchor ]; then echo "anchor:"; cd .gpu_kit/anchor && \
@@ -90,7 +92,8 @@ bench() {
     fi'
     stage ops "$2" $PY benchmarks/bench_ops.py --rounds 5 --set runtime.device=$DEV \
         --json "$OUT/bench_ops.json"
-    stage profile 60 $PY benchmarks/gpu_profile.py
+    stage profile 90 bash -c '$PY benchmarks/gpu_profile.py &&
+        $PY benchmarks/gpu_profile.py --set runtime.cuda_graphs=true'
     stage cnn "$3" $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers "$4" \
         --json "$OUT/bench_cnn.json"
 }
