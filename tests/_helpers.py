@@ -14,14 +14,16 @@ import numpy as np
 from gossip_pfl.data.base import ClientData, FederatedDataset
 
 
-def toy_dataset(n: int = 8, dim: int = 5, seed: int = 0, task: str = "binary") -> FederatedDataset:
-    """``n`` clients of unequal size (20 + 13 i samples) labelled by two linear rules, so a
-    mixture has something to find."""
+def toy_dataset(
+    n: int = 8, dim: int = 5, seed: int = 0, task: str = "binary", sizes: list | None = None
+) -> FederatedDataset:
+    """``n`` clients of unequal size (20 + 13 i samples, or ``sizes``) labelled by two linear
+    rules, so a mixture has something to find."""
     rng = np.random.default_rng(seed)
     rules = rng.normal(size=(2, dim))
     clients = []
-    for i in range(n):
-        m = 20 + 13 * i
+    sizes = [20 + 13 * i for i in range(n)] if sizes is None else sizes
+    for i, m in enumerate(sizes):
         z = i % 2
 
         def draw(k, z=z):

@@ -32,7 +32,7 @@ CASES = {
 
 
 def trainer(tmp_path, batching: str, algorithm: dict, task: str = "binary",
-            device: str = "cpu", **runtime) -> Trainer:  # fmt: skip
+            device: str = "cpu", sizes: list | None = None, **runtime) -> Trainer:  # fmt: skip
     name = algorithm["name"]
     gossip = name in ("dfedem", "dsgd")
     cfg = load_config(
@@ -45,7 +45,7 @@ def trainer(tmp_path, batching: str, algorithm: dict, task: str = "binary",
             "out": str(tmp_path / batching),
         }
     )
-    return Trainer(cfg, dataset=toy_dataset(6, task=task), log=lambda *a: None)
+    return Trainer(cfg, dataset=toy_dataset(6, task=task, sizes=sizes), log=lambda *a: None)
 
 
 def rounds(tr: Trainer, n: int = 3) -> Trainer:
@@ -128,6 +128,39 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
             runs.append(rounds(trainer(tmp_path, "auto", algorithm)).shared_parameters())
     np.testing.assert_array_equal(runs[0], runs[1])
     np.testing.assert_array_equal(runs[0], fast.shared_parameters())
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_kernel_ranges_cover_every_peer_once(threads):
+    """kernels.run cuts the peers into ranges of about equal samples; one peer with most of
+    them leaves empty ranges, which must not end the work (they did: the peers after them
+    were never run)."""
+    pytest.importorskip("numba")
+    from gossip_pfl.runtime import kernels
+
+    rng = np.random.default_rng(0)
+    skewed = ([1, 2, 3, 40, 5, 2], [500, 1, 1, 1], [1, 1, 1, 500])
+    for work in (*skewed, *rng.integers(0, 50, (20, 9))):
+        seen = np.zeros(len(work), dtype=int)
+
+        def visit(lo, hi, seen=seen):
+            seen[lo:hi] += 1
+
+        kernels.run(visit, threads, np.asarray(work))
+        assert (seen == 1).all(), (work, seen)
+
+
+def test_cpu_kernels_with_one_dominant_peer_equal_torch_operations(monkeypatch, tmp_path):
+    """End to end, with one peer holding most samples and three kernel threads: the compiled
+    round equals the torch operations for every peer (parameters and mixture weights)."""
+    pytest.importorskip("numba")
+    algorithm, sizes = CASES["dfedem (fused SGD update)"], [3, 5, 7, 400, 6, 2]
+    torch_ops = rounds(trainer(tmp_path / "t", "auto", algorithm, sizes=sizes, cpu_kernels=False))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # the loops' thread count
+    fast = rounds(trainer(tmp_path / "k", "auto", algorithm, sizes=sizes))
+    np.testing.assert_allclose(fast.shared_parameters(), torch_ops.shared_parameters(),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    torch.testing.assert_close(fast.personal["pi"], torch_ops.personal["pi"])
 
 
 @pytest.mark.parametrize("scale", [1.0, 300.0])  # 300: every likelihood underflows somewhere

@@ -239,16 +239,19 @@ def run(kernel, threads: int, work: np.ndarray, *args) -> None:
     cum = np.cumsum(work, dtype=np.float64)
     cuts = np.searchsorted(cum, cum[-1] * np.arange(1, parts) / parts)
     bounds = [0, *np.maximum.accumulate(cuts).tolist(), L]
-    ranges = iter(list(zip(bounds[:-1], bounds[1:])))
+    # a peer with more than a range's share of the samples leaves empty ranges: dropped here,
+    # not taken for the end of the work (a thread that drew one stopped, and the ranges after
+    # it were never run: those peers took no step and kept garbage q and pi)
+    ranges = iter([(lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:]) if lo < hi])
     lock = threading.Lock()
 
     def worker() -> None:
         while True:
             with lock:
-                lo, hi = next(ranges, (0, 0))
-            if lo == hi:
+                span = next(ranges, None)
+            if span is None:
                 return
-            kernel(lo, hi, *args)
+            kernel(*span, *args)
 
     if _pool_size < threads - 1 or _pool_pid != os.getpid():  # a forked child has no threads
         _pool = ThreadPoolExecutor(threads - 1, "gossip-kernel")
