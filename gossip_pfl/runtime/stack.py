@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -254,15 +255,15 @@ class BatchedForward:
             return
         inputs = (*uploads, *(() if q is None else (q,)))
 
-        def steps(floats, ints, q=None) -> None:
+        def steps(floats, ints, q=None, shared_buffer=True) -> None:
             plan = linear_plan(host.sizes, split, floats, ints, q)
-            self._linear_sgd_steps(theta, split.augmented, plan)
+            self._linear_sgd_steps(theta, split.augmented, plan, shared_buffer)
 
         # a graph for the GPU layout's steps (every peer in each: views, no scatter-adds)
         if self.graphs is not None and theta.is_cuda and min(host.sizes) == len(theta):
             key = (tuple(host.sizes), theta.data_ptr(), split.augmented.data_ptr(),
                    tuple(t.shape for t in inputs))  # fmt: skip
-            self.graphs(key, steps, *inputs)
+            self.graphs(key, partial(steps, shared_buffer=False), *inputs)
         else:
             steps(*inputs)
 
@@ -272,7 +273,9 @@ class BatchedForward:
         k = self._kernels
         k.run(getattr(k, name), torch.get_num_threads(), split.host_counts, *args)
 
-    def _linear_sgd_steps(self, theta: torch.Tensor, inputs: torch.Tensor, plan) -> None:
+    def _linear_sgd_steps(
+        self, theta: torch.Tensor, inputs: torch.Tensor, plan, shared_buffer: bool = True
+    ) -> None:
         """The torch form of :meth:`linear_sgd_round`, for a
         :class:`gossip_pfl.runtime.data.LinearRound` plan over ``inputs`` (the split's
         :attr:`augmented` samples, a ones column last). A step is six
@@ -284,14 +287,19 @@ class BatchedForward:
 
         The batches are gathered into one buffer kept across rounds, through views made once
         per step shape: a fresh buffer is fresh pages from the kernel every round (at 10,000
-        peers 770 MB, and the page faults made the gather 4x slower than the copy)."""
+        peers 770 MB, and the page faults made the gather 4x slower than the copy). Without
+        ``shared_buffer`` (a CUDA graph's capture) the buffer is this call's own: a graph
+        holds it in its memory, where the shared one may be replaced by a larger one."""
         width = inputs.shape[1]
         need = max((p.numel() for p in plan.pos), default=0) * width
-        buf = self.__dict__.get("_gather")
-        if buf is None or buf.numel() < need or buf.device != inputs.device:
-            buf = self._gather = inputs.new_empty(need)
-            self._gather_views = {}
-        views = self._gather_views
+        if shared_buffer:
+            buf = self.__dict__.get("_gather")
+            if buf is None or buf.numel() < need or buf.device != inputs.device:
+                buf = self._gather = inputs.new_empty(need)
+                self._gather_views = {}
+            views = self._gather_views
+        else:
+            buf, views = inputs.new_empty(need), {}
         theta_t = theta.mT  # (L, P, M)
         for rows, pos, coef, ycoef in zip(plan.rows, plan.pos, plan.coef, plan.ycoef):
             shape = coef.shape[:2]  # (A, B)
