@@ -232,7 +232,8 @@ class BatchedForward:
         factor * scale; ``q`` (L, M, N) the responsibilities (None: weight 1; a
         :class:`PendingEStep`: worked out in the loop, with :attr:`kernels`); the loss
         divides by ``batch_size``. On a CPU with :attr:`kernels`, a compiled loop per peer
-        (:func:`gossip_pfl.runtime.kernels.sgd_round`); else :meth:`_linear_sgd_steps`."""
+        (:func:`gossip_pfl.runtime.kernels.sgd_round`); else :meth:`_linear_sgd_steps`, on a
+        GPU with ``runtime.cuda_graphs`` replayed as a CUDA graph per shape."""
         idx, weight, *host = batches
         if self.kernels:
             none = np.zeros((0, 0), np.float32)
