@@ -75,9 +75,9 @@ stage() {
     return 0
 }
 
-# bench SYNTHETIC_S OPS_S CNN_S MAX_PEERS: 200 synthetic rounds on the GPU (this tree with
-# and without CUDA graphs, twice each, alternating; then the anchor), operations per round,
-# a profile of a round (both ways), the CNN
+# bench SYNTHETIC_S OPS_S PROFILE_S CNN_S MAX_PEERS: 200 synthetic rounds on the GPU (this
+# tree with and without CUDA graphs, twice each, alternating; then the anchor), operations
+# per round, a profile of a round (both ways), the CNN
 bench() {
     export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
     stage synthetic "$1" bash -c 'set -o pipefail; for g in false true false true; do
@@ -92,9 +92,9 @@ bench() {
     fi'
     stage ops "$2" $PY benchmarks/bench_ops.py --rounds 5 --set runtime.device=$DEV \
         --json "$OUT/bench_ops.json"
-    stage profile 90 bash -c '$PY benchmarks/gpu_profile.py &&
+    stage profile "$3" bash -c '$PY benchmarks/gpu_profile.py &&
         $PY benchmarks/gpu_profile.py --set runtime.cuda_graphs=true'
-    stage cnn "$3" $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers "$4" \
+    stage cnn "$4" $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers "$5" \
         --json "$OUT/bench_cnn.json"
 }
 
@@ -105,11 +105,12 @@ case "${1:-}" in
         # the whole suite, with the GPU visible (CPU tests pin the CPU; `cuda` tests run)
         stage tests 500 $PY -m pytest -n 8 -rs
         ;;
-    bench) install; bench 120 100 250 3200 ;;
+    bench) install; bench 150 100 120 250 3200 ;;
     all)
         install
-        stage tests 200 $PY -m pytest -n 14 -rs -q
-        bench 150 60 150 1600
+        # under the device tool's 10-minute call: the suite took 123 s on an H200
+        stage tests 170 $PY -m pytest -n 14 -rs -q
+        bench 120 45 80 150 800
         ;;
     *)
         echo "usage: benchmarks/gpu_kit.sh prepare|test|bench|all" >&2
