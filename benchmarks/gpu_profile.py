@@ -141,7 +141,7 @@ def graph_of_steps(tr: Trainer, rounds) -> None:
 
 
 def uploads(tr: Trainer) -> None:
-    """A round's plan uploads (the fused linear path's two arrays, data.linear_round) as the
+    """A round's plan uploads (the fused linear path's two arrays, data.linear_uploads) as the
     code makes them, from pageable memory, against copies through one pinned buffer kept
     across rounds."""
     import numpy as np

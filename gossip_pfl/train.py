@@ -198,14 +198,11 @@ class Trainer(RoundLoop):
         hint = hint(self.M) if hint is not None and self.device.type == "cpu" else 0
         self.step_chunk = rt.step_chunk or hint
         self.planner = BatchPlanner()  # each round's minibatch plan, drawn a round ahead
-        # the closed-form linear model holds M * C floats per sample: a million samples a call
-        # (8 million on a GPU: the synthetic test split, 1.5 million samples, in one call
-        # rather than pieces with gathers and scatter-adds)
-        wide = (
-            (1 << 23 if dense_layout(self.device) else 1 << 20)
-            if self.forward.closed_form
-            else 16384
-        )
+        wide = 16384
+        if self.forward.closed_form:  # M * C floats a sample: a million samples a call, and 8
+            # million on a GPU (the synthetic test split, 1.5 million, in one call, not pieces
+            # with gathers and scatter-adds)
+            wide = 1 << 23 if dense_layout(self.device) else 1 << 20
         self.eval_chunk = cfg.eval.chunk or hint or wide
 
         # The round protocol: who takes part, the rule, and the route its messages take.

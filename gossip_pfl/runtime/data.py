@@ -389,7 +389,7 @@ def linear_plan(
     rows, ix = ints.split([A, A * B])
     ix = ix.view(A, B)
     # a padded or finished peer's places point at a real sample (weight 0: it adds nothing)
-    last = max(0, int(split.host_counts.sum()) - 1)
+    last = max(0, len(split.augmented) - 1)  # its rows are the real samples
     pos = (split.device_offsets[rows][:, None] + ix).clamp_max_(last).view(-1)
     coef = floats[0, :, :, None]  # (sum A, B, 1)
     if q is not None:  # q[peer, m, sample]: one take over the flattened (L, M, N) tensor
