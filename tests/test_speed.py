@@ -450,20 +450,32 @@ def test_cpu_max_pool_gives_torch_max_pool_bits(grad):
             assert torch.equal(a.grad, b.grad) and b.grad.stride() == b.stride()
 
 
-def test_pcg64_states_are_numpys_seeding():
-    """The plan's generators are set from states worked out for all peers at once; they are
-    NumPy's PCG64(SeedSequence(key)) states, and draw what default_rng(key) draws, for keys
-    across the uint32 range (its edges included)."""
-    from gossip_pfl.runtime.data import _KeyedGenerators, _pcg64_states
+@pytest.mark.parametrize("compiled", [True, False])
+def test_pcg64_states_are_numpys_seeding(compiled, monkeypatch):
+    """The plan's generators are set from states worked out for all peers at once (compiled,
+    or in NumPy without numba); they are NumPy's PCG64(SeedSequence(key)) states, and draw
+    what default_rng(key) draws, for keys across the uint32 range (its edges included)."""
+    from gossip_pfl.runtime import data
 
     rng = np.random.default_rng(1)
     words = rng.integers(0, 2**32, size=(3000, 4), dtype=np.uint64).astype(np.uint32)
     words[:4] = [[0, 0, 0, 0], [2**32 - 1] * 4, [0, 2**32 - 1, 0, 1], [1234, 7, 199, 1]]
-    for k, (state, inc) in enumerate(_pcg64_states(words)):
+    if compiled:
+        pytest.importorskip("numba")
+        from gossip_pfl.runtime.kernels import pcg64_seeds
+
+        out = np.zeros((len(words), 4), dtype=np.uint64)
+        pcg64_seeds(words, out)
+        hi_lo = [[int(w) for w in row] for row in out]
+        states = [(a << 64 | b, c << 64 | d) for a, b, c, d in hi_lo]
+    else:
+        monkeypatch.setattr(data, "_KERNELS", False)  # as without numba
+        states = data._pcg64_states(words)
+    for k, (state, inc) in enumerate(states):
         want = np.random.PCG64(np.random.SeedSequence(words[k])).state["state"]
         assert (state, inc) == (want["state"], want["inc"]), k
     peers = np.array([0, 5, 2**32 - 1, 17])
-    gens = _KeyedGenerators(2**32 - 2, 199, 1, peers)
+    gens = data._KeyedGenerators(2**32 - 2, 199, 1, peers)
     for row, peer in enumerate(peers):
         draws = gens.at(row).permutation(50)
         want = np.random.default_rng([2**32 - 2, int(peer), 199, 1]).permutation(50)
@@ -504,7 +516,7 @@ def test_round_plan_in_one_compiled_call_equals_peer_by_peer(epochs, batch, mean
 
     counts, peers = np.array([0, 1, 7, 130, 12, 300]), np.arange(10, 16)
     fast = data.round_batches(counts, peers, 3, 4, batch, epochs, mean=mean)
-    monkeypatch.setattr(data, "_PERMUTATIONS", False)  # as without numba
+    monkeypatch.setattr(data, "_KERNELS", False)  # as without numba
     slow = data.round_batches(counts, peers, 3, 4, batch, epochs, mean=mean)
     for a, b in zip(fast, slow):
         assert a.shape == b.shape and np.array_equal(a, b)
@@ -523,10 +535,10 @@ def test_round_plan_without_a_loadable_numba_is_numpys(monkeypatch):
 
     counts, peers = np.array([3, 0, 40]), np.arange(3)
     want = data.round_batches(counts, peers, 1, 2, 8)
-    monkeypatch.setattr(data, "_PERMUTATIONS", None)
+    monkeypatch.setattr(data, "_KERNELS", None)
     monkeypatch.setitem(sys.modules, "gossip_pfl.runtime.kernels", Broken("kernels"))
     got = data.round_batches(counts, peers, 1, 2, 8)
-    assert data._PERMUTATIONS is False
+    assert data._KERNELS is False
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
 
 

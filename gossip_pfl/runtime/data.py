@@ -439,10 +439,10 @@ def round_batches(
     generators = _KeyedGenerators(seed, round_, stream, peers)
     # (the compiled draws are NumPy's for peers below 2**32 samples: its 32-bit branch)
     small = int(counts.max(initial=0)) < 2**32
-    compiled = _compiled_permutations()
-    if steps is None and small and generators.states is not None and compiled:
+    compiled = _compiled()
+    if steps is None and small and generators.fits and compiled:
         # epochs: every peer's permutations in one compiled call (the same draws as below)
-        compiled(generators.words(), counts, epochs, per_epoch * batch_size, idx, weight)
+        compiled[1](generators.words(), counts, epochs, per_epoch * batch_size, idx, weight)
     else:
         _draw_plan(generators, counts, per_epoch, batch_size, epochs, steps, idx, weight)
     shape = (L, n_steps, batch_size)
@@ -530,58 +530,74 @@ def warm_up() -> None:
     round_batches(np.array([2]), np.array([0]), 0, 0, 2)
 
 
-def _compiled_permutations():
-    """:func:`gossip_pfl.runtime.kernels.permutations`, or False without a loadable numba."""
-    global _PERMUTATIONS
-    if _PERMUTATIONS is None:
+def _compiled() -> tuple | bool:
+    """(pcg64_seeds, permutations) of :mod:`gossip_pfl.runtime.kernels`, or False without a
+    loadable numba."""
+    global _KERNELS
+    if _KERNELS is None:
         try:
-            from gossip_pfl.runtime.kernels import permutations
+            from gossip_pfl.runtime.kernels import pcg64_seeds, permutations
         # no numba, or numba that cannot load (its cache=True raises RuntimeError where no
-        # cache folder is writable): NumPy's own shuffles, the same numbers
+        # cache folder is writable): NumPy's own seeding and shuffles, the same numbers
         except (ImportError, RuntimeError, OSError):
-            permutations = False
-        _PERMUTATIONS = permutations
-    return _PERMUTATIONS
+            _KERNELS = False
+        else:
+            _KERNELS = (pcg64_seeds, permutations)
+    return _KERNELS
 
 
-_PERMUTATIONS = None
+_KERNELS = None
 
 
 class _KeyedGenerators:
-    """``default_rng([seed, peer, round_, stream])`` for many peers at a third of its cost:
+    """``default_rng([seed, peer, round_, stream])`` for many peers at a fraction of its cost:
     when every part of the key is below 2**32 (the words SeedSequence makes of the list),
-    every peer's PCG64 state is worked out at once (:func:`_pcg64_states`) and set on one
-    reused generator, instead of building a SeedSequence, a PCG64 and a Generator per peer
-    (11 against 3.6 us a peer). The plan draws one generator per peer per round, so this was
-    most of its time: 0.1 s a round at 10,000 peers."""
+    every peer's PCG64 state is worked out at once and set on one reused generator, instead
+    of building a SeedSequence, a PCG64 and a Generator per peer (11 against 3.6 us a peer;
+    0.1 s a round at 10,000 peers). The states come from the compiled
+    :func:`gossip_pfl.runtime.kernels.pcg64_seeds` where numba loads (10 us for 300 peers,
+    and it releases the GIL: the plan is drawn on a thread beside the round's compiled loops,
+    whose threads waited on the 0.5 ms of Python seeding), else from :func:`_pcg64_states`."""
 
     def __init__(self, seed: int, round_: int, stream: int, peers: np.ndarray):
         self.key = [seed, 0, round_, stream]
         peers = np.asarray(peers, dtype=np.int64)
         low = min(seed, round_, stream, int(peers.min(initial=0)))
         high = max(seed, round_, stream, int(peers.max(initial=0)))
-        self.states = None
-        if 0 <= low and high < 2**32:
+        self.fits = 0 <= low and high < 2**32
+        self._states = self._words = None
+        if self.fits:
             words = np.empty((len(peers), 4), dtype=np.uint32)
             words[:] = self.key
             words[:, 1] = peers
-            self.states = _pcg64_states(words)
+            compiled = _compiled()
+            if compiled:
+                self._words = np.empty((len(peers), 4), dtype=np.uint64)
+                compiled[0](words, self._words)
+            else:
+                self._states = _pcg64_states(words)
             self.bit_generator = np.random.PCG64()
             self.generator = np.random.Generator(self.bit_generator)
         self.peers = peers
 
     def words(self) -> np.ndarray:
         """(peers, 4) uint64: each generator's state and increment as (high, low) words."""
-        m = (1 << 64) - 1
-        return np.array([(s >> 64, s & m, i >> 64, i & m) for s, i in self.states],
-                        dtype=np.uint64).reshape(-1, 4)  # fmt: skip
+        if self._words is None:
+            m = (1 << 64) - 1
+            self._words = np.array([(s >> 64, s & m, i >> 64, i & m) for s, i in self._states],
+                                   dtype=np.uint64).reshape(-1, 4)  # fmt: skip
+        return self._words
 
     def at(self, row: int) -> np.random.Generator:
         """The generator of ``peers[row]``, at its start (the previous one is reset)."""
-        if self.states is None:
+        if not self.fits:
             self.key[1] = int(self.peers[row])
             return np.random.default_rng(self.key)
-        state, inc = self.states[row]
+        if self._states is not None:
+            state, inc = self._states[row]
+        else:
+            s_hi, s_lo, i_hi, i_lo = (int(w) for w in self._words[row])
+            state, inc = s_hi << 64 | s_lo, i_hi << 64 | i_lo
         self.bit_generator.state = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0,
                                     "state": {"state": state, "inc": inc}}  # fmt: skip
         return self.generator

@@ -292,6 +292,59 @@ def _pcg64_next(s):
     return (x >> rot) | (x << ((_U(64) - rot) & _U(63)))
 
 
+@njit(inline="always")
+def _add128(a_hi, a_lo, b_hi, b_lo):
+    """(a + b) mod 2**128, each as (high, low) uint64 words."""
+    lo = a_lo + b_lo
+    return a_hi + b_hi + (_U(1) if lo < a_lo else _U(0)), lo
+
+
+@njit(inline="always")
+def _hashmix(v, h):
+    """SeedSequence's hashmix of the uint32 ``v`` with the running hash ``h``: (value, next h)."""
+    v = (v ^ h) & _M32
+    h = (h * _U(0x931E8875)) & _M32
+    v = (v * h) & _M32
+    return v ^ (v >> _U(16)), h
+
+
+@njit(cache=True, nogil=True)
+def pcg64_seeds(words, out):
+    """out[k] = (state_hi, state_lo, inc_hi, inc_lo) uint64 of ``PCG64(SeedSequence(words[k]))``
+    for each row of 4 uint32 ``words``: NumPy's SeedSequence (its hash of the entropy into a
+    pool of 4 words, then 8 output words; numpy/random/bit_generator.pyx, after M. O'Neill's
+    seed_seq), then PCG64's seeding (pcg_setseq_128_srandom_r), in 32-bit words kept in
+    uint64. The same numbers as :func:`gossip_pfl.runtime.data._pcg64_states`, without the
+    GIL (tests/test_speed.py checks both against NumPy)."""
+    pool = np.empty(4, dtype=np.uint64)
+    o = np.empty(8, dtype=np.uint64)
+    for k in range(words.shape[0]):
+        h = _U(0x43B0D7E5)
+        for i in range(4):
+            pool[i], h = _hashmix(_U(words[k, i]), h)
+        for src in range(4):
+            for dst in range(4):
+                if src != dst:
+                    v, h = _hashmix(pool[src], h)
+                    r = (_U(0xCA01F9DD) * pool[dst] - _U(0x4973F715) * v) & _M32
+                    pool[dst] = r ^ (r >> _U(16))
+        h = _U(0x8B51F9DD)  # generate_state(4, uint64): 8 words, little-endian pairs
+        for i in range(8):
+            v = (pool[i % 4] ^ h) & _M32
+            h = (h * _U(0x58F38DED)) & _M32
+            v = (v * h) & _M32
+            o[i] = v ^ (v >> _U(16))
+        a, b = o[0] | (o[1] << _U(32)), o[2] | (o[3] << _U(32))  # the initial state
+        c, d = o[4] | (o[5] << _U(32)), o[6] | (o[7] << _U(32))  # the stream
+        inc_hi, inc_lo = (c << _U(1)) | (d >> _U(63)), (d << _U(1)) | _U(1)
+        # srandom_r: state = ((inc + initstate) * MULT + inc) mod 2**128
+        t_hi, t_lo = _add128(inc_hi, inc_lo, a, b)
+        hi, lo = _mul64(t_lo, _MULT_LO)
+        hi += t_hi * _MULT_LO + t_lo * _MULT_HI
+        out[k, 0], out[k, 1] = _add128(hi, lo, inc_hi, inc_lo)
+        out[k, 2], out[k, 3] = inc_hi, inc_lo
+
+
 @njit(cache=True, nogil=True)
 def permutations(states, counts, reps, stride, out, filled):
     """Peer l's ``reps`` permutations of 0..counts[l]-1, drawn one after another from its
