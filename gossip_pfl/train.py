@@ -381,11 +381,11 @@ class Trainer(RoundLoop):
         fused = plain and self._fused_linear()  # the round in one call (linear_sgd_round)
         # the torch operations' host side of the fused step, drawn with the plan
         post = self._linear_host if fused and not self.forward.kernels else None
-        idx, weight, *host = self.planner(
+        idx, weight, taken, *host = self.planner(
             counts, self.train_ids[self.peers], self.cfg.seed, t, a.batch_size, epochs, steps,
             stream, post, a.loss_divisor == "batch",
         )  # fmt: skip
-        self.steps_taken.copy_(torch.as_tensor((weight.sum(-1) > 0).sum(0), device=self.device))
+        self.steps_taken.copy_(torch.as_tensor(taken, device=self.device))
         if fused:
             with np.errstate(over="ignore"):  # an lr past float32: the finite check names it
                 neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_host

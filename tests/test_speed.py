@@ -416,13 +416,14 @@ def test_batch_planner_draws_round_batches_plans_ahead():
         want = round_batches(c, peers, 11, t, 8, 2, None, stream)
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)
+        np.testing.assert_array_equal(got[2], 2 * -(-c // 8))  # steps: epochs * ceil(n / B)
     assert planner._ahead[0][0][-1] == 8  # the next round's plan is on its way
 
     def post(idx, weight):  # worked out with the plan, on the planner's thread
         return (idx * weight).sum()
 
     for t in (8, 9, 9):  # drawn ahead, then in place (the same round again)
-        idx, weight, extra = planner(counts, peers, 11, t, 8, 2, None, 0, post)
+        idx, weight, _, extra = planner(counts, peers, 11, t, 8, 2, None, 0, post)
         want = round_batches(counts, peers, 11, t, 8, 2, None, 0)
         np.testing.assert_array_equal(idx, want[0])
         assert extra == post(*want)
