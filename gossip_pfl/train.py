@@ -696,9 +696,7 @@ class Trainer(RoundLoop):
     def _check_finite(self, t: int, theta: torch.Tensor) -> None:
         flat = theta.view(theta.shape[0], -1)
         first = 0
-        # one reduction when all is well: the largest |value| is finite iff all are (NaN
-        # propagates through amax); a fifth of isfinite's time on the synthetic D-FedEM
-        if flat.numel() and not torch.isfinite(flat.abs().amax()):
+        if flat.numel() and not _all_finite(flat):
             bad = (~torch.isfinite(flat)).any(-1)
             first = int(self.peers[bad.nonzero()[0, 0].item()]) + 1
         flag = torch.tensor([first], dtype=torch.float64, device=self.device)
@@ -880,6 +878,16 @@ class Trainer(RoundLoop):
     def shared_parameters(self) -> np.ndarray:
         """This rank's peers' shared state (L, M, P) as a numpy array (for tests)."""
         return self.nodes[: len(self.peers)].detach().cpu().numpy()
+
+
+def _all_finite(x: torch.Tensor) -> bool:
+    """Every value of ``x`` is finite. On a CPU, NumPy's check on a view: torch's reductions
+    wake its OpenMP threads every time (130 against 23 us a round for the synthetic D-FedEM's
+    136,000 values on 2 cores). Elsewhere one reduction: the largest |value| is finite iff
+    all are (NaN propagates through amax), a fifth of isfinite's time."""
+    if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64):
+        return bool(np.isfinite(x.detach().numpy()).all())
+    return bool(torch.isfinite(x.abs().amax()))
 
 
 def _where(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
