@@ -197,7 +197,11 @@ def mixture_scores(lo, hi, theta, pi, x, y, counts, nll, correct):
     """Per peer, the summed log-loss ``nll`` and number correct ``correct`` (L,) float64 of
     the mixture prediction p(y = 1) = sum_m pi_m sigmoid(w_m . x + b_m) over its ``counts[p]``
     samples ``x`` (L, N, F), labels ``y`` (L, N); theta (L, M, F + 1) = [w, b]. A
-    probability below 1e-12 counts as 1e-12, and p > 0.5 predicts class 1."""
+    probability below 1e-12 counts as 1e-12, and p > 0.5 predicts class 1.
+
+    The log-loss takes one log per 16 samples, of their probabilities' product in float64
+    (at least 1e-192: no underflow), not one per sample: the logs were a fifth of the time,
+    and the sum is no less exact than float32 logs summed."""
     L, M, P = theta.shape
     F = P - 1
     z = np.zeros(M, dtype=np.float32)
@@ -205,6 +209,7 @@ def mixture_scores(lo, hi, theta, pi, x, y, counts, nll, correct):
         th = theta[p]
         loss = 0.0
         hits = 0.0
+        product = 1.0
         for n in range(counts[p]):
             _dots(th, x[p, n], F, z)
             p1 = np.float32(0.0)
@@ -212,9 +217,12 @@ def mixture_scores(lo, hi, theta, pi, x, y, counts, nll, correct):
                 p1 += pi[p, m] / (np.float32(1.0) + np.exp(-(z[m] + th[m, F])))
             one = y[p, n] == 1
             p_true = p1 if one else np.float32(1.0) - p1
-            loss -= math.log(max(p_true, np.float32(1e-12)))
+            product *= np.float64(max(p_true, np.float32(1e-12)))
+            if n % 16 == 15:
+                loss -= math.log(product)
+                product = 1.0
             hits += (p1 > 0.5) == one
-        nll[p] = loss
+        nll[p] = loss - math.log(product)
         correct[p] = hits
 
 
