@@ -228,13 +228,14 @@ def mixture_scores(lo, hi, theta, pi, x, y, counts, nll, correct):
 
 _pool: ThreadPoolExecutor | None = None
 _pool_size = _pool_pid = 0
-_RANGES_PER_THREAD = 4
+# enough ranges that the last one, which one thread finishes while the others wait, is short
+_RANGES_PER_THREAD = 16
 
 
 def run(kernel, threads: int, work: np.ndarray, *args) -> None:
     """``kernel(lo, hi, *args)`` over the peers 0..L-1 in contiguous ranges of about equal
     ``work`` (L,) (samples each), on ``threads`` threads (the run's torch threads). With
-    several, the ranges are a few per thread, taken by whichever thread is free (another busy
+    several, the ranges are 16 per thread, taken by whichever thread is free (another busy
     thread, such as the round planner, then slows no range down for all); the calling thread
     takes part. The kernels release the GIL, and each peer is one thread's, so no number
     depends on the split."""
