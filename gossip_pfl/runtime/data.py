@@ -13,6 +13,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cached_property
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -442,7 +443,8 @@ def round_batches(
     compiled = _compiled()
     if steps is None and small and generators.fits and compiled:
         # epochs: every peer's permutations in one compiled call (the same draws as below)
-        compiled[1](generators.words(), counts, epochs, per_epoch * batch_size, idx, weight)
+        compiled.permutations(generators.words(), counts, epochs, per_epoch * batch_size,
+                              idx, weight)  # fmt: skip
     else:
         _draw_plan(generators, counts, per_epoch, batch_size, epochs, steps, idx, weight)
     shape = (L, n_steps, batch_size)
@@ -532,9 +534,9 @@ def warm_up() -> None:
     round_batches(np.array([2]), np.array([0]), 0, 0, 2)
 
 
-def _compiled() -> tuple | bool:
-    """(pcg64_seeds, permutations) of :mod:`gossip_pfl.runtime.kernels`, or False without a
-    loadable numba."""
+def _compiled() -> SimpleNamespace | bool:
+    """The plan's compiled loops, ``seeds`` (:func:`gossip_pfl.runtime.kernels.pcg64_seeds`)
+    and ``permutations``, or False without a loadable numba."""
     global _KERNELS
     if _KERNELS is None:
         try:
@@ -544,7 +546,7 @@ def _compiled() -> tuple | bool:
         except (ImportError, RuntimeError, OSError):
             _KERNELS = False
         else:
-            _KERNELS = (pcg64_seeds, permutations)
+            _KERNELS = SimpleNamespace(seeds=pcg64_seeds, permutations=permutations)
     return _KERNELS
 
 
@@ -554,12 +556,12 @@ _KERNELS = None
 class _KeyedGenerators:
     """``default_rng([seed, peer, round_, stream])`` for many peers at a fraction of its cost:
     when every part of the key is below 2**32 (the words SeedSequence makes of the list),
-    every peer's PCG64 state is worked out at once and set on one reused generator, instead
-    of building a SeedSequence, a PCG64 and a Generator per peer (11 against 3.6 us a peer;
-    0.1 s a round at 10,000 peers). The states come from the compiled
-    :func:`gossip_pfl.runtime.kernels.pcg64_seeds` where numba loads (10 us for 300 peers,
-    and it releases the GIL: the plan is drawn on a thread beside the round's compiled loops,
-    whose threads waited on the 0.5 ms of Python seeding), else from :func:`_pcg64_states`."""
+    every peer's PCG64 state is worked out at once, instead of building a SeedSequence, a
+    PCG64 and a Generator per peer (11 us a peer: 0.1 s a round at 10,000 peers). The states
+    come from the compiled :func:`gossip_pfl.runtime.kernels.pcg64_seeds` where numba loads
+    (10 us for 300 peers, without the GIL: the plan is drawn on a thread beside the round's
+    compiled loops, which waited on the 0.5 ms of the Python seeding), else from
+    :func:`_pcg64_states` (1.3 us a peer). :meth:`at` sets a state on one reused generator."""
 
     def __init__(self, seed: int, round_: int, stream: int, peers: np.ndarray):
         self.key = [seed, 0, round_, stream]
@@ -575,7 +577,7 @@ class _KeyedGenerators:
             compiled = _compiled()
             if compiled:
                 self._words = np.empty((len(peers), 4), dtype=np.uint64)
-                compiled[0](words, self._words)
+                compiled.seeds(words, self._words)
             else:
                 self._states = _pcg64_states(words)
             self.bit_generator = np.random.PCG64()
