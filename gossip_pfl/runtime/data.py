@@ -569,7 +569,7 @@ class _KeyedGenerators:
         low = min(seed, round_, stream, int(peers.min(initial=0)))
         high = max(seed, round_, stream, int(peers.max(initial=0)))
         self.fits = 0 <= low and high < 2**32
-        self._states = self._words = None
+        self._words = None
         if self.fits:
             words = np.empty((len(peers), 4), dtype=np.uint32)
             words[:] = self.key
@@ -579,17 +579,17 @@ class _KeyedGenerators:
                 self._words = np.empty((len(peers), 4), dtype=np.uint64)
                 compiled.seeds(words, self._words)
             else:
-                self._states = _pcg64_states(words)
+                m = (1 << 64) - 1
+                self._words = np.array(
+                    [(s >> 64, s & m, i >> 64, i & m) for s, i in _pcg64_states(words)],
+                    dtype=np.uint64,
+                ).reshape(-1, 4)
             self.bit_generator = np.random.PCG64()
             self.generator = np.random.Generator(self.bit_generator)
         self.peers = peers
 
     def words(self) -> np.ndarray:
         """(peers, 4) uint64: each generator's state and increment as (high, low) words."""
-        if self._words is None:
-            m = (1 << 64) - 1
-            self._words = np.array([(s >> 64, s & m, i >> 64, i & m) for s, i in self._states],
-                                   dtype=np.uint64).reshape(-1, 4)  # fmt: skip
         return self._words
 
     def at(self, row: int) -> np.random.Generator:
@@ -597,11 +597,8 @@ class _KeyedGenerators:
         if not self.fits:
             self.key[1] = int(self.peers[row])
             return np.random.default_rng(self.key)
-        if self._states is not None:
-            state, inc = self._states[row]
-        else:
-            s_hi, s_lo, i_hi, i_lo = (int(w) for w in self._words[row])
-            state, inc = s_hi << 64 | s_lo, i_hi << 64 | i_lo
+        s_hi, s_lo, i_hi, i_lo = (int(w) for w in self._words[row])
+        state, inc = s_hi << 64 | s_lo, i_hi << 64 | i_lo
         self.bit_generator.state = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0,
                                     "state": {"state": state, "inc": inc}}  # fmt: skip
         return self.generator
