@@ -150,6 +150,33 @@ def test_kernel_ranges_cover_every_peer_once(threads):
         assert (seen == 1).all(), (work, seen)
 
 
+@pytest.mark.parametrize("M", [3, 2])
+def test_step_sum_four_samples_a_pass_equals_one_at_a_time(M):
+    """kernels._accumulate adds four samples' r x to g in one pass over g: bit for bit the
+    sum one sample at a time (each element's terms in the same order, each a fused
+    multiply-add), for every count of samples (the tail after the last four)."""
+    numba = pytest.importorskip("numba")
+    from gossip_pfl.runtime import kernels
+
+    @numba.njit(fastmath={"contract"})
+    def one_at_a_time(g, x, base, order, r, k):
+        for j in range(k):
+            for m in range(g.shape[0]):
+                for i in range(g.shape[1]):
+                    g[m, i] += r[j, m] * x[base + order[j], i]
+
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 151), dtype=np.float32)
+    r = rng.standard_normal((40, M), dtype=np.float32)
+    order = rng.permutation(30)  # rows 5..34 of x
+    for k in range(11):
+        g = rng.standard_normal((M, 151), dtype=np.float32)
+        want = g.copy()
+        kernels._accumulate(g, x, 5, order, r, k)
+        one_at_a_time(want, x, 5, order, r, k)
+        np.testing.assert_array_equal(g, want, err_msg=f"{k} samples")
+
+
 def test_cpu_kernels_with_one_dominant_peer_equal_torch_operations(monkeypatch, tmp_path):
     """End to end, with one peer holding most samples and three kernel threads: the compiled
     round equals the torch operations for every peer (parameters and mixture weights)."""
