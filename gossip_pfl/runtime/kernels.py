@@ -66,40 +66,73 @@ def _e_step(th, x, base, n_p, labels, pi, eps, q, new_pi, z, w, zs):
 
     One exp per likelihood, no log (the torch path's softmax of log pi - loss is the same
     number): where every pi_m p_m underflows (a far-off sample, a diverging run) the sample
-    falls back to that log-domain softmax, so q never turns 0 / 0."""
+    falls back to that log-domain softmax (:func:`_log_domain`), so q never turns 0 / 0.
+    With M = 3 the per-sample values are scalars, as in :func:`_dots` (the arrays' loads
+    and stores were 0.85x this loop's time; the same operations, the same numbers)."""
     M = th.shape[0]
     one = np.float32(1.0)
+    keep, share = one - eps, eps / M
     acc = np.zeros(M, dtype=np.float64)
-    for n in range(n_p):
-        _dots(th, x[base + n], th.shape[1], z)
-        for m in range(M):
-            zs[m, n] = z[m]
-        sign = one if labels[n] == 1 else -one
-        total = np.float32(0.0)
-        for m in range(M):
-            w[m] = max(pi[m], _TINY) / (one + np.exp(-sign * z[m]))
-            total += w[m]
-        if total >= _TINY:
+    if M == 3:
+        f0, f1, f2 = max(pi[0], _TINY), max(pi[1], _TINY), max(pi[2], _TINY)
+        a0 = a1 = a2 = 0.0
+        for n in range(n_p):
+            _dots(th, x[base + n], th.shape[1], z)
+            zs[0, n], zs[1, n], zs[2, n] = z[0], z[1], z[2]
+            sign = one if labels[n] == 1 else -one
+            w0 = f0 / (one + np.exp(-sign * z[0]))
+            w1 = f1 / (one + np.exp(-sign * z[1]))
+            w2 = f2 / (one + np.exp(-sign * z[2]))
+            total = w0 + w1 + w2
+            if total >= _TINY:
+                w0, w1, w2 = w0 / total, w1 / total, w2 / total
+            else:
+                _log_domain(z, sign, pi, w)
+                w0, w1, w2 = w[0], w[1], w[2]
+            a0 += w0
+            a1 += w1
+            a2 += w2
+            q[0, n], q[1, n], q[2, n] = keep * w0 + share, keep * w1 + share, keep * w2 + share
+        acc[0], acc[1], acc[2] = a0, a1, a2
+    else:
+        for n in range(n_p):
+            _dots(th, x[base + n], th.shape[1], z)
             for m in range(M):
-                w[m] /= total
-        else:  # log pi_m - log(1 + e^-sz), shifted by its maximum
-            top = -np.inf
-            for m in range(M):
-                sz = sign * z[m]
-                w[m] = math.log(max(pi[m], _TINY)) + min(sz, 0) - math.log1p(math.exp(-abs(sz)))
-                top = max(top, w[m])
+                zs[m, n] = z[m]
+            sign = one if labels[n] == 1 else -one
             total = np.float32(0.0)
             for m in range(M):
-                w[m] = math.exp(w[m] - top)
+                w[m] = max(pi[m], _TINY) / (one + np.exp(-sign * z[m]))
                 total += w[m]
+            if total >= _TINY:
+                for m in range(M):
+                    w[m] /= total
+            else:
+                _log_domain(z, sign, pi, w)
             for m in range(M):
-                w[m] /= total
-        for m in range(M):
-            acc[m] += w[m]
-            q[m, n] = (one - eps) * w[m] + eps / M
+                acc[m] += w[m]
+                q[m, n] = keep * w[m] + share
     for m in range(M):
         q[m, n_p:] = 0
         new_pi[m] = acc[m] / n_p if n_p > 0 else pi[m]
+
+
+@njit(inline="always", fastmath=_FAST)
+def _log_domain(z, sign, pi, w):
+    """w_m = softmax over m of log pi_m - log(1 + e^(-sign z_m)), shifted by its maximum: the
+    responsibilities of a sample where every pi_m sigmoid(sign z_m) underflows."""
+    M = z.shape[0]
+    top = -np.inf
+    for m in range(M):
+        sz = sign * z[m]
+        w[m] = math.log(max(pi[m], _TINY)) + min(sz, 0) - math.log1p(math.exp(-abs(sz)))
+        top = max(top, w[m])
+    total = np.float32(0.0)
+    for m in range(M):
+        w[m] = math.exp(w[m] - top)
+        total += w[m]
+    for m in range(M):
+        w[m] /= total
 
 
 @njit(fastmath={"contract"}, nogil=True, cache=True)
