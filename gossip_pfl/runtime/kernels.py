@@ -5,10 +5,10 @@ each one pass over a peer's samples; and the round plan's shuffles (:func:`permu
 Why: with M = 3 components the linear model's products have three output columns, which
 torch runs as small batched GEMMs far below this CPU's memory speed, and a step first gathers
 its minibatch into a buffer, then reads it twice more (forward, backward). Here a peer is one
-loop on one thread: each sample's row is read once per step (its three logits and its share
-of the update in one visit), the peer's parameters stay in the core's cache, and a round of
-every step is one call. On the synthetic D-FedEM (300 peers, M = 3) a round's SGD steps take
-about half the torch operations' time (docs/benchmarks.md).
+loop on one thread: its rows come from memory once a round (the E-step's pass) and stay in
+the core's cache for its steps, its parameters too, a step's update is added four samples a
+pass, and a round of every step is one call. On the synthetic D-FedEM (300 peers, M = 3) a
+round's loop takes about a fifth of the torch operations' time (docs/benchmarks.md).
 
 Each peer's numbers come from one thread in a fixed order, so they do not depend on the
 thread count nor on which peers share the rank. They round differently from the torch path
