@@ -65,9 +65,10 @@ def _worker(rank, world, port, fn, args, out_dir, environ, env):
     Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps(result))
 
 
-#: what the fork server imports once, before any rank forks from it: imports only (torch
-#: starts its thread pool at its first parallel computation, which each rank does after the fork)
-_PRELOAD = ["numpy", "torch", "torch.distributed", "gossip_pfl.train", "_helpers"]
+#: what the fork server imports once, before any rank forks from it: imports, and the compiled
+#: CPU loops loaded (_forkserver); no torch computation (torch starts its thread pool at its
+#: first parallel computation, which each rank does after the fork)
+_PRELOAD = ["numpy", "torch", "torch.distributed", "gossip_pfl.train", "_helpers", "_forkserver"]
 
 
 def _context():

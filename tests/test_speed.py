@@ -177,6 +177,33 @@ def test_step_sum_four_samples_a_pass_equals_one_at_a_time(M):
         np.testing.assert_array_equal(g, want, err_msg=f"{k} samples")
 
 
+def test_kernel_warm_up_loads_the_types_a_run_passes(monkeypatch, tmp_path):
+    """kernels.warm_up, which the tests' fork server runs before forking ranks, calls each
+    loop with the argument types a run passes: a D-FedEM round (the E-step in the loop), an
+    E-step's losses as a pass of their own (momentum) and an evaluation find no other type
+    (each rank would then load its own, half a second)."""
+    numba = pytest.importorskip("numba")
+    from gossip_pfl.runtime import kernels
+
+    seen: dict[str, set] = {}
+    loops = {name: getattr(kernels, name) for name in ("sgd_round", "bce_losses", "mixture_scores")}
+    for name, loop in loops.items():
+
+        def record(*args, name=name, loop=loop):
+            seen.setdefault(name, set()).add(tuple(numba.typeof(a) for a in args))
+            return loop(*args)
+
+        monkeypatch.setattr(kernels, name, record)
+    kernels.warm_up()
+    warm, seen = seen, {}
+    for algorithm in (CASES["dfedem (fused SGD update)"], CASES["dfedem, momentum and decay"]):
+        tr = rounds(trainer(tmp_path / str(len(seen)), "auto", algorithm), 2)
+        tr.evaluate(tr.test)
+    assert seen.keys() == warm.keys()  # the runs called all three
+    for name, types in seen.items():
+        assert types <= warm[name], name
+
+
 def test_cpu_kernels_with_one_dominant_peer_equal_torch_operations(monkeypatch, tmp_path):
     """End to end, with one peer holding most samples and three kernel threads: the compiled
     round equals the torch operations for every peer (parameters and mixture weights)."""

@@ -296,6 +296,23 @@ def mixture_scores(lo, hi, theta, pi, x, y, counts, nll, correct):
         correct[p] = hits
 
 
+def warm_up() -> None:
+    """Load (or compile) the round's, the E-step losses' and the scores' loops for the arrays
+    the runtime passes (float32 parameters and samples, int64 indices and labels, all
+    C-contiguous), on empty ranges: a process that forks workers (the tests' fork server)
+    then loads them once, not each worker (numba's start and the loads take about 0.5 s a
+    process). tests/test_speed.py checks that a run after it loads no other signature."""
+    f32, i64 = np.float32, np.int64
+    theta, x, labels = np.zeros((1, 1, 2), f32), np.zeros((1, 2), f32), np.zeros((1, 1), i64)
+    peers, per_peer = np.zeros(1, i64), np.zeros((1, 1), f32)
+    sgd_round(0, 0, theta, x, peers, peers, labels, np.zeros((1, 1, 1), i64),
+              np.zeros((1, 1, 1), f32), np.zeros(1, f32), np.zeros((1, 1, 1), f32), per_peer,
+              f32(0), per_peer)  # fmt: skip
+    bce_losses(0, 0, theta, x, peers, peers, labels, np.zeros((1, 1, 1), f32))
+    mixture_scores(0, 0, theta, per_peer, np.zeros((1, 1, 1), f32), labels, peers,
+                   np.zeros(1), np.zeros(1))  # fmt: skip
+
+
 _pool: ThreadPoolExecutor | None = None
 _pool_size = _pool_pid = 0
 # enough ranges that the last one, which one thread finishes while the others wait, is short
