@@ -195,9 +195,10 @@ def test_kernel_warm_up_loads_the_types_a_run_passes(monkeypatch, tmp_path):
 
         monkeypatch.setattr(kernels, name, record)
     kernels.warm_up()
-    warm, seen = seen, {}
-    for algorithm in (CASES["dfedem (fused SGD update)"], CASES["dfedem, momentum and decay"]):
-        tr = rounds(trainer(tmp_path / str(len(seen)), "auto", algorithm), 2)
+    warm = dict(seen)
+    seen.clear()
+    for k, case in enumerate(("dfedem (fused SGD update)", "dfedem, momentum and decay")):
+        tr = rounds(trainer(tmp_path / str(k), "auto", CASES[case]), 2)
         tr.evaluate(tr.test)
     assert seen.keys() == warm.keys()  # the runs called all three
     for name, types in seen.items():
