@@ -27,7 +27,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def worktree(rev: str) -> Path:
-    """A checkout of ``rev`` (made once, reused)."""
+    """A checkout of ``rev`` (made once, reused; named by its commit, so that a name such as
+    HEAD or a branch does not reuse the checkout of what it named before)."""
+    parse = ["git", "rev-parse", "--short", f"{rev}^{{commit}}"]
+    done = subprocess.run(parse, cwd=ROOT, capture_output=True, text=True)
+    if done.returncode:
+        sys.exit(f"--base {rev}: not a commit here ({done.stderr.strip()})")
+    rev = done.stdout.strip()
     path = ROOT / "runs" / "bench_wall" / f"tree-{rev}"
     if not (path / "gossip_pfl").is_dir():
         path.parent.mkdir(parents=True, exist_ok=True)
