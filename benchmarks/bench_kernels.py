@@ -6,24 +6,23 @@ kernels.py, alternating, with each loop's numbers checked against this tree's.
     python benchmarks/bench_kernels.py [--base 7ad379b] [--threads 1,2] [--repeats 9]
 
 The inputs come from a run of configs/synthetic/dfedem.yaml: rounds 20 to 23's plans and
-parameters, and the parameters after them. The base's kernels.py is loaded from ``git show``
-into runs/bench_kernels/ (compiled there once). Prints one markdown row per loop and thread
-count: medians in ms, their ratio, and the largest difference from this tree's outputs (0:
-the same bits).
+parameters, and the parameters after them. The base's kernels.py is imported from its
+checkout under runs/bench_wall/ (bench_wall.py's, made once; compiled there once). Prints
+one markdown row per loop and thread count: medians in ms, their ratio, and the largest
+difference from this tree's outputs (0: the same bits).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
+from bench_wall import worktree
 
 from gossip_pfl.config import load_config
 from gossip_pfl.runtime import kernels
@@ -35,15 +34,8 @@ WRITES = {"sgd_round": (0, 8, 11), "mixture_scores": (5, 6)}
 
 
 def base_kernels(rev: str):
-    """kernels.py at ``rev``, imported as a module of its own."""
-    folder = ROOT / "runs" / "bench_kernels" / rev
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "kernels.py"
-    show = ["git", "show", f"{rev}:gossip_pfl/runtime/kernels.py"]
-    source = subprocess.run(show, cwd=ROOT, check=True, capture_output=True, text=True).stdout
-    if not path.exists() or path.read_text() != source:  # else numba's cache is still good
-        shutil.rmtree(folder / "__pycache__", ignore_errors=True)
-        path.write_text(source)
+    """kernels.py of ``rev``'s checkout (bench_wall's), imported as a module of its own."""
+    path = worktree(rev) / "gossip_pfl" / "runtime" / "kernels.py"
     spec = importlib.util.spec_from_file_location(f"kernels_{rev}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # numba's cache finds a loop's module by name

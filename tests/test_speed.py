@@ -552,7 +552,7 @@ def test_compiled_permutations_draw_numpys_shuffles():
     stride = counts + 3
     out = np.full((len(peers), 3 * stride.max()), -1, dtype=np.int64)
     filled = np.zeros(out.shape, dtype=np.float32)
-    permutations(gens.words(), counts, 3, stride, out, filled)
+    permutations(gens.words, counts, 3, stride, out, filled)
     assert np.array_equal(filled, out >= 0)
     for row, peer in enumerate(peers):
         rng = np.random.default_rng([12, int(peer), 5, 1])

@@ -443,7 +443,7 @@ def round_batches(
     compiled = _compiled()
     if steps is None and small and generators.fits and compiled:
         # epochs: every peer's permutations in one compiled call (the same draws as below)
-        compiled.permutations(generators.words(), counts, epochs, per_epoch * batch_size,
+        compiled.permutations(generators.words, counts, epochs, per_epoch * batch_size,
                               idx, weight)  # fmt: skip
     else:
         _draw_plan(generators, counts, per_epoch, batch_size, epochs, steps, idx, weight)
@@ -569,18 +569,19 @@ class _KeyedGenerators:
         low = min(seed, round_, stream, int(peers.min(initial=0)))
         high = max(seed, round_, stream, int(peers.max(initial=0)))
         self.fits = 0 <= low and high < 2**32
-        self._words = None
+        #: (peers, 4) uint64: each generator's state and increment as (high, low) words
+        self.words: np.ndarray | None = None
         if self.fits:
             words = np.empty((len(peers), 4), dtype=np.uint32)
             words[:] = self.key
             words[:, 1] = peers
             compiled = _compiled()
             if compiled:
-                self._words = np.empty((len(peers), 4), dtype=np.uint64)
-                compiled.seeds(words, self._words)
+                self.words = np.empty((len(peers), 4), dtype=np.uint64)
+                compiled.seeds(words, self.words)
             else:
                 m = (1 << 64) - 1
-                self._words = np.array(
+                self.words = np.array(
                     [(s >> 64, s & m, i >> 64, i & m) for s, i in _pcg64_states(words)],
                     dtype=np.uint64,
                 ).reshape(-1, 4)
@@ -588,16 +589,12 @@ class _KeyedGenerators:
             self.generator = np.random.Generator(self.bit_generator)
         self.peers = peers
 
-    def words(self) -> np.ndarray:
-        """(peers, 4) uint64: each generator's state and increment as (high, low) words."""
-        return self._words
-
     def at(self, row: int) -> np.random.Generator:
         """The generator of ``peers[row]``, at its start (the previous one is reset)."""
         if not self.fits:
             self.key[1] = int(self.peers[row])
             return np.random.default_rng(self.key)
-        s_hi, s_lo, i_hi, i_lo = (int(w) for w in self._words[row])
+        s_hi, s_lo, i_hi, i_lo = (int(w) for w in self.words[row])
         state, inc = s_hi << 64 | s_lo, i_hi << 64 | i_lo
         self.bit_generator.state = {"bit_generator": "PCG64", "has_uint32": 0, "uinteger": 0,
                                     "state": {"state": state, "inc": inc}}  # fmt: skip
