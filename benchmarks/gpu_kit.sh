@@ -20,8 +20,10 @@ OUT=${OUT:-runs/gpu_kit}
 ANCHOR=5e626a6  # the speed issue's anchor: 15.5 s for 200 synthetic rounds on an H100
 
 # cvxpy 1.6 (not 1.9: its extra solvers would not fit the carry) with SCS and Clarabel for
-# the FMMC weights, pyzmq for the peer-to-peer transport
-WHEELS=("cvxpy==1.6.*" "scs<3.3" clarabel osqp pyzmq cffi pycparser)
+# the FMMC weights, pyzmq for the peer-to-peer transport, pytest >= 8.4 (pyproject.toml's
+# addopts use its --disable-plugin-autoload; the image's version is not documented) with the
+# pluggy and iniconfig it needs
+WHEELS=("cvxpy==1.6.*" "scs<3.3" clarabel osqp pyzmq cffi pycparser "pytest==9.0.*" pluggy iniconfig)
 
 prepare() {
     rm -rf "$KIT" && mkdir -p "$KIT/wheels" "$KIT/fashion-mnist" || exit 2
