@@ -7,6 +7,7 @@ import os
 import pickle
 import socket
 import tempfile
+from multiprocessing import forkserver
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,19 @@ _PRELOAD = ["numpy", "torch", "torch.distributed", "gossip_pfl.train", "_helpers
 def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
+    # The fork server is a new interpreter, and Python 3.11's ignores this process's sys.path
+    # (3.12's applies it): it finds this folder's modules on PYTHONPATH, set while it starts.
+    # A preload that does not import is skipped without a word (tests/test_runtime.py checks
+    # that a rank has them).
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), old]))
+    try:
+        forkserver.ensure_running()
+    finally:
+        if old is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = old
     return ctx
 
 

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from _helpers import toy_dataset
+from _helpers import _PRELOAD, run_ranks, toy_dataset
 
 from gossip_pfl.config import load_config
 from gossip_pfl.runtime.threads import (
@@ -203,6 +203,27 @@ def test_kernel_warm_up_loads_the_types_a_run_passes(monkeypatch, tmp_path):
     assert seen.keys() == warm.keys()  # the runs called all three
     for name, types in seen.items():
         assert types <= warm[name], name
+
+
+def _loaded_before_the_fork() -> dict:
+    """In a rank: which of the fork server's preloads it has, and the loops' signatures."""
+    kernels = sys.modules.get("gossip_pfl.runtime.kernels")
+    return {
+        "preloads": [m for m in _PRELOAD if m in sys.modules],
+        "numba": "numba" in sys.modules,
+        "sgd_round": len(kernels.sgd_round.signatures) if kernels else 0,
+    }
+
+
+def test_ranks_fork_with_the_compiled_loops_loaded():
+    """A rank of run_ranks starts with every module of the fork server's preload, numba and
+    the compiled loops among them. A preload the server cannot import is skipped without a
+    word: Python 3.11's fork server, which ignores the tests' sys.path, skipped
+    tests/_forkserver.py, and every rank loaded numba itself (about a second each)."""
+    pytest.importorskip("numba")
+    [(status, got)] = run_ranks(1, _loaded_before_the_fork)
+    assert status == "ok", got
+    assert got == {"preloads": _PRELOAD, "numba": True, "sgd_round": 1}
 
 
 def test_cpu_kernels_with_one_dominant_peer_equal_torch_operations(monkeypatch, tmp_path):
