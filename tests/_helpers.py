@@ -76,9 +76,9 @@ def _context():
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(_PRELOAD)
     # The fork server is a new interpreter, and Python 3.11's ignores this process's sys.path
-    # (3.12's applies it): it finds this folder's modules on PYTHONPATH, set while it starts.
-    # A preload that does not import is skipped without a word (tests/test_runtime.py checks
-    # that a rank has them).
+    # (CPython gh-117378, fixed in later 3.12 and 3.13 releases): it finds this folder's
+    # modules on PYTHONPATH, set while it starts. A preload that does not import is skipped
+    # without a word (tests/test_speed.py checks that a rank has them).
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), old]))
     try:
