@@ -9,6 +9,7 @@ import socket
 import tempfile
 from multiprocessing import forkserver
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -79,15 +80,9 @@ def _context():
     # (CPython gh-117378, fixed in later 3.12 and 3.13 releases): it finds this folder's
     # modules on PYTHONPATH, set while it starts. A preload that does not import is skipped
     # without a word (tests/test_speed.py checks that a rank has them).
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent), old]))
-    try:
+    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.getenv("PYTHONPATH")]))
+    with mock.patch.dict(os.environ, PYTHONPATH=path):  # restored after, as it was
         forkserver.ensure_running()
-    finally:
-        if old is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = old
     return ctx
 
 
