@@ -106,7 +106,7 @@ def graph_of_steps(tr: Trainer, rounds) -> None:
     if "args" not in seen:
         print("graph: this config does not take the fused linear steps")
         return
-    theta, inputs, plan = seen["args"]
+    theta, inputs, plan = seen["args"][:3]  # then shared_buffer
     start = theta.clone()
     torch.cuda.synchronize()
     a0 = time.perf_counter()
