@@ -78,7 +78,7 @@ stage() {
 }
 
 # bench SYNTHETIC_S OPS_S PROFILE_S CNN_S MAX_PEERS: 200 synthetic rounds on the GPU (this
-# tree with and without CUDA graphs, twice each, alternating; then the anchor), operations
+# tree without and with CUDA graphs, twice each, alternating; then the anchor), operations
 # per round, a profile of a round (both ways), the CNN
 bench() {
     export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
@@ -96,8 +96,8 @@ bench() {
     fi'
     stage ops "$2" $PY benchmarks/bench_ops.py --rounds 5 --set runtime.device=$DEV \
         --json "$OUT/bench_ops.json"
-    stage profile "$3" bash -c '$PY benchmarks/gpu_profile.py &&
-        $PY benchmarks/gpu_profile.py --set runtime.cuda_graphs=true'
+    stage profile "$3" bash -c '$PY benchmarks/gpu_profile.py --set runtime.cuda_graphs=false &&
+        $PY benchmarks/gpu_profile.py'
     stage cnn "$4" $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers "$5" \
         --json "$OUT/bench_cnn.json"
 }

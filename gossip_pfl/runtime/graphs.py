@@ -1,8 +1,7 @@
 """A round's fixed-shape GPU work as CUDA graphs (``runtime.cuda_graphs``): captured once per
 shape, then replayed every round with its inputs copied into the graph's own buffers, so the
 host launches one graph where it launched dozens of kernels (a synthetic round's SGD steps:
-1.66 ms of launches, 0.47 ms replayed, on an H200; docs/benchmarks.md). New, and off by
-default."""
+1.66 ms of launches, 0.47 ms replayed, on an H200; docs/benchmarks.md). On by default."""
 
 from __future__ import annotations
 
