@@ -106,14 +106,16 @@ case "${1:-}" in
     prepare) prepare ;;
     test)
         install
-        # the whole suite, with the GPU visible (CPU tests pin the CPU; `cuda` tests run)
-        stage tests 500 $PY -m pytest -n 8 -rs
+        # the whole suite, with the GPU visible (CPU tests pin the CPU; `cuda` tests run);
+        # pyproject's --maxprocesses 4 (for 2-core CI machines) would cap -n
+        stage tests 500 $PY -m pytest -n 8 --maxprocesses 8 -rs
         ;;
     bench) install; bench 150 100 120 250 3200 ;;
     all)
         install
-        # under the device tool's 10-minute call: the suite took 123 s on an H200
-        stage tests 170 $PY -m pytest -n 14 -rs -q --durations=12
+        # under the device tool's 10-minute call: the suite took 123 s on an H200, and 74 s
+        # with four workers (-n 14 was capped by pyproject's --maxprocesses 4)
+        stage tests 170 $PY -m pytest -n 8 --maxprocesses 8 -rs -q --durations=12
         bench 120 45 80 150 800
         ;;
     *)
