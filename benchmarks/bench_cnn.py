@@ -5,7 +5,7 @@ images with the same batch size; float32, TF32 and bf16; peak memory; and, with
 ``--max-peers``, the most peers one device holds.
 
     python benchmarks/bench_cnn.py [--device cuda] [--rounds 3] [--modes float32,tf32,bf16]
-        [--max-peers 3200] [--json runs/bench_cnn.json]
+        [--max-peers 3200] [--profile] [--json runs/bench_cnn.json]
     # a smoke test on a CPU (narrow model, 5% of the images, 10 clients):
     python benchmarks/bench_cnn.py --device cpu --fraction 0.05 --peers 10 \
         --channels 8,16 --hidden 64
@@ -98,6 +98,46 @@ def fedem_round(args, peers: int, mode: str) -> tuple[dict, Trainer]:
     return row, trainer
 
 
+def profile_round(trainer: Trainer, t: int, rows: int = 25) -> str:
+    """One round of local work under torch.profiler, by device time (CPU time on a CPU), with
+    its phases labelled: the E-step (the surrogate's ``begin_round``), the gradients
+    (``shared_grad``) and the solver's steps."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    def labelled(fn, label):
+        def run(*a, **k):
+            with record_function(label):
+                return fn(*a, **k)
+
+        return run
+
+    device = trainer.device
+    cuda = device.type == "cuda"
+    # the classes' methods, wrapped for this round (both objects are frozen dataclasses)
+    phases = [(type(trainer.surrogate), "begin_round", "phase: E-step"),
+              (type(trainer.surrogate), "shared_grad", "phase: gradients"),
+              (type(trainer.solver), "step", "phase: solver step")]  # fmt: skip
+    methods = [cls.__dict__.get(name) for cls, name, _ in phases]
+    for cls, name, label in phases:
+        setattr(cls, name, labelled(getattr(cls, name), label))
+    acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
+    try:
+        with profile(activities=acts) as prof:
+            trainer.local_work(t)
+            sync(device)
+    finally:
+        for (cls, name, _), method in zip(phases, methods):
+            if method is None:  # inherited: drop the wrapper
+                delattr(cls, name)
+            else:
+                setattr(cls, name, method)
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=48)
+    spans = prof.key_averages().table(sort_by="cpu_time_total", row_limit=8,
+                                      max_name_column_width=48)  # fmt: skip
+    return f"{table}\n{spans}"
+
+
 def floor_epoch(args, trainer: Trainer, mode: str) -> float:
     """Median seconds of one epoch of one model over the same images (see the docstring)."""
     cfg, device = trainer.cfg, trainer.device
@@ -170,6 +210,8 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048, help="the CNN's dense width")
     ap.add_argument("--max-peers", type=int, default=0,
                     help="double the peers up to this many (first mode only); 0: skip")  # fmt: skip
+    ap.add_argument("--profile", action="store_true",
+                    help="profile a round of the first mode (operations, then phases)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=ROOT / "runs" / "bench_cnn.json")
     args = ap.parse_args()
     modes = args.modes.split(",")
@@ -182,6 +224,8 @@ def main() -> None:
     rows = []
     for mode in modes:
         row, trainer = fedem_round(args, args.peers, mode)
+        if args.profile and mode == modes[0]:
+            print(profile_round(trainer, args.rounds + 1), flush=True)
         row["floor_s"] = floor_epoch(args, trainer, mode)
         rows.append(row)
         print(f"# {json.dumps(row)}", flush=True)  # as it goes: a run cut short keeps these

@@ -77,9 +77,9 @@ stage() {
     return 0
 }
 
-# bench SYNTHETIC_S OPS_S PROFILE_S CNN_S MAX_PEERS: 200 synthetic rounds on the GPU (this
-# tree without and with CUDA graphs, twice each, alternating; then the anchor), operations
-# per round, a profile of a round (both ways), the CNN
+# bench SYNTHETIC_S OPS_S PROFILE_S CNN_S MAX_PEERS CNN_MODES: 200 synthetic rounds on the
+# GPU (this tree without and with CUDA graphs, twice each, alternating; then the anchor),
+# operations per round, a profile of a round (both ways), the CNN (with a profile of a round)
 bench() {
     export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
     # a failed run shows its last lines and the others still run
@@ -99,7 +99,7 @@ bench() {
     stage profile "$3" bash -c '$PY benchmarks/gpu_profile.py --set runtime.cuda_graphs=false &&
         $PY benchmarks/gpu_profile.py'
     stage cnn "$4" $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers "$5" \
-        --json "$OUT/bench_cnn.json"
+        --modes "$6" --profile --json "$OUT/bench_cnn.json"
 }
 
 case "${1:-}" in
@@ -110,13 +110,15 @@ case "${1:-}" in
         # pyproject's --maxprocesses 4 (for 2-core CI machines) would cap -n
         stage tests 500 $PY -m pytest -n 8 --maxprocesses 8 -rs
         ;;
-    bench) install; bench 150 100 120 250 3200 ;;
+    bench) install; bench 150 100 120 300 3200 float32,tf32,bf16 ;;
     all)
         install
         # under the device tool's 10-minute call: the suite took 123 s on an H200, and 74 s
         # with four workers (-n 14 was capped by pyproject's --maxprocesses 4)
-        stage tests 170 $PY -m pytest -n 8 --maxprocesses 8 -rs -q --durations=12
-        bench 120 45 80 150 800
+        stage tests 140 $PY -m pytest -n 8 --maxprocesses 8 -rs -q --durations=12
+        # the second H200 lease: synthetic 85 s, ops 17 s; the CNN's three modes and the
+        # sweep did not fit 150 s (TF32 is measured: 0.92x float32)
+        bench 100 40 70 200 800 float32,bf16
         ;;
     *)
         echo "usage: benchmarks/gpu_kit.sh prepare|test|bench|all" >&2
