@@ -644,3 +644,46 @@ def test_kernel_threads_work_in_a_forked_child():
     if child.is_alive():
         child.kill()
     assert child.exitcode == 0
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+@pytest.mark.parametrize(
+    "name, shape, options",
+    [("cnn", (1, 28, 28), {"channels": [3, 4], "hidden": 8}), ("mlp", (12,), {"hidden": [7, 5]}),
+     ("lenet", (3, 32, 32), {})],
+)  # fmt: skip
+def test_parameter_leaves_give_the_flat_leaf_gradient(name, shape, options, precision):
+    """weighted_loss_grad with each parameter its own autograd leaf (the model's batched
+    layers) gives the bits of a leaf of the flat (A, M, P) stack seen through its parameter
+    views (the way before: a zero-filled full-size gradient per parameter, summed), in pieces
+    of the peer axis too; and the same losses."""
+    from types import SimpleNamespace
+
+    from gossip_pfl.algorithms.base import weighted_loss_grad
+    from gossip_pfl.algorithms.losses import sample_loss
+    from gossip_pfl.models import build_model
+    from gossip_pfl.runtime.stack import BatchedForward, ParamLayout, init_components
+
+    torch.manual_seed(0)
+    model = build_model(name, shape, 5, **options)
+    layout = ParamLayout(model)
+    fwd = BatchedForward(model, layout, precision=precision)
+    assert fwd.by_parameter
+    L, M, B = 4, 2, 6
+    theta = init_components(lambda: build_model(name, shape, 5, **options), layout, M, 0)
+    theta = (theta[None] + 0.01 * torch.randn(L, *theta.shape)).contiguous()
+    x, y = torch.randn(L, B, *shape), torch.randint(0, 5, (L, B))
+    sw = torch.rand(L, M, B)
+    for pieces in ([slice(0, L)], [slice(0, 1), slice(1, L)]):
+        ctx = SimpleNamespace(forward=fwd, task="multiclass",
+                              peer_pieces=lambda n, b, p=pieces: p)  # fmt: skip
+        grad, loss = weighted_loss_grad(ctx, theta, x, y, sw, B)
+        want, want_loss = [], []
+        for sl in pieces:
+            leaf = theta[sl].detach().requires_grad_(True)
+            per = sample_loss(fwd(leaf, x[sl]), y[sl], "multiclass")
+            want += torch.autograd.grad((per * sw[sl]).sum() / B, leaf)
+            want_loss.append((per.detach() * sw[sl]).sum((1, 2)) / B)
+        assert grad.shape == theta.shape
+        assert torch.equal(grad, torch.cat(want))
+        assert torch.equal(loss, torch.cat(want_loss))

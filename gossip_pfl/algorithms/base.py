@@ -76,17 +76,25 @@ def weighted_loss_grad(ctx: Context, theta: torch.Tensor, x, y, sw, batch_size: 
     Peers are independent, so the step may run in pieces of the peer axis (``ctx.peer_pieces``):
     a big convolutional step then keeps its activations near the cache instead of streaming
     hundreds of MB through memory. Each piece is its own autograd leaf (a slice of one leaf
-    would cost a full-size gradient per piece)."""
+    would cost a full-size gradient per piece), and with the model's own batched layers each
+    parameter of it is (:meth:`BatchedForward.forward_parameters`): their gradients are then
+    laid side by side once."""
     fwd = ctx.forward
     if fwd.closed_form:  # the linear model: no autograd graph at all
         need = ctx.track_loss or ctx.line_search
         return fwd.loss_grad(theta, x, y, sw, ctx.task, batch_size, need_loss=need)
     grads, losses = [], []
     for sl in ctx.peer_pieces(theta.shape[0], x.shape[1]):
-        theta_g = theta[sl].detach().requires_grad_(True)
-        per = sample_loss(ctx.forward(theta_g, x[sl]), y[sl], ctx.task)  # (A, M, B)
-        (grad,) = torch.autograd.grad((per * sw[sl]).sum() / batch_size, theta_g)
-        grads.append(grad)
+        if fwd.by_parameter:
+            params = fwd.layout.unflatten(theta[sl].detach())
+            leaves = [v.requires_grad_(True) for v in params.values()]
+            logits = fwd.forward_parameters(params, x[sl])
+        else:
+            leaves = [theta[sl].detach().requires_grad_(True)]
+            logits = ctx.forward(leaves[0], x[sl])
+        per = sample_loss(logits, y[sl], ctx.task)  # (A, M, B)
+        parts = torch.autograd.grad((per * sw[sl]).sum() / batch_size, leaves)
+        grads.append(torch.cat([g.flatten(2) for g in parts], -1) if fwd.by_parameter else parts[0])
         losses.append((per.detach() * sw[sl]).sum((1, 2)) / batch_size)
     if len(grads) == 1:
         return grads[0], losses[0]
