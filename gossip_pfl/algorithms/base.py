@@ -83,6 +83,8 @@ def weighted_loss_grad(ctx: Context, theta: torch.Tensor, x, y, sw, batch_size: 
     if fwd.closed_form:  # the linear model: no autograd graph at all
         need = ctx.track_loss or ctx.line_search
         return fwd.loss_grad(theta, x, y, sw, ctx.task, batch_size, need_loss=need)
+    # by parameter: each piece's gradients written once into their places of one tensor
+    grad = torch.empty_like(theta) if fwd.by_parameter else None
     grads, losses = [], []
     for sl in ctx.peer_pieces(theta.shape[0], x.shape[1]):
         if fwd.by_parameter:
@@ -94,8 +96,13 @@ def weighted_loss_grad(ctx: Context, theta: torch.Tensor, x, y, sw, batch_size: 
             logits = ctx.forward(leaves[0], x[sl])
         per = sample_loss(logits, y[sl], ctx.task)  # (A, M, B)
         parts = torch.autograd.grad((per * sw[sl]).sum() / batch_size, leaves)
-        grads.append(torch.cat([g.flatten(2) for g in parts], -1) if fwd.by_parameter else parts[0])
+        if grad is None:
+            grads.append(parts[0])
+        else:
+            for place, g in zip(fwd.layout.unflatten(grad[sl]).values(), parts):
+                place.copy_(g)
         losses.append((per.detach() * sw[sl]).sum((1, 2)) / batch_size)
-    if len(grads) == 1:
-        return grads[0], losses[0]
-    return torch.cat(grads), torch.cat(losses)
+    loss = losses[0] if len(losses) == 1 else torch.cat(losses)
+    if grad is None:
+        grad = grads[0] if len(grads) == 1 else torch.cat(grads)
+    return grad, loss
