@@ -77,32 +77,21 @@ def weighted_loss_grad(ctx: Context, theta: torch.Tensor, x, y, sw, batch_size: 
     a big convolutional step then keeps its activations near the cache instead of streaming
     hundreds of MB through memory. Each piece is its own autograd leaf (a slice of one leaf
     would cost a full-size gradient per piece), and with the model's own batched layers each
-    parameter of it is (:meth:`BatchedForward.forward_parameters`): their gradients are then
-    laid side by side once."""
+    parameter of it is (:meth:`BatchedForward.for_grad`): their gradients are then written
+    once, into their places."""
     fwd = ctx.forward
     if fwd.closed_form:  # the linear model: no autograd graph at all
         need = ctx.track_loss or ctx.line_search
         return fwd.loss_grad(theta, x, y, sw, ctx.task, batch_size, need_loss=need)
-    # by parameter: each piece's gradients written once into their places of one tensor
-    grad = torch.empty_like(theta) if fwd.by_parameter else None
-    grads, losses = [], []
-    for sl in ctx.peer_pieces(theta.shape[0], x.shape[1]):
-        if fwd.by_parameter:
-            params = fwd.layout.unflatten(theta[sl].detach())
-            leaves = [v.requires_grad_(True) for v in params.values()]
-            logits = fwd.forward_parameters(params, x[sl])
-        else:
-            leaves = [theta[sl].detach().requires_grad_(True)]
-            logits = ctx.forward(leaves[0], x[sl])
+    pieces = ctx.peer_pieces(theta.shape[0], x.shape[1])
+    # pieces: each one's gradients written once into their places of one tensor
+    grad = torch.empty_like(theta) if len(pieces) > 1 else None
+    losses = []
+    for sl in pieces:
+        logits, leaves = fwd.for_grad(theta[sl], x[sl])
         per = sample_loss(logits, y[sl], ctx.task)  # (A, M, B)
         parts = torch.autograd.grad((per * sw[sl]).sum() / batch_size, leaves)
-        if grad is None:
-            grads.append(parts[0])
-        else:
-            for place, g in zip(fwd.layout.unflatten(grad[sl]).values(), parts):
-                place.copy_(g)
+        flat = fwd.flat_grad(parts, None if grad is None else grad[sl])
         losses.append((per.detach() * sw[sl]).sum((1, 2)) / batch_size)
     loss = losses[0] if len(losses) == 1 else torch.cat(losses)
-    if grad is None:
-        grad = grads[0] if len(grads) == 1 else torch.cat(grads)
-    return grad, loss
+    return (flat if grad is None else grad), loss

@@ -348,12 +348,12 @@ class PeFLLRun(RoundLoop):
         theta, buf = theta.clone(), torch.zeros_like(theta)
         for s in range(p.local_steps):
             x, y = self.train.take(rows_t, idx[s])
-            th = theta.detach().requires_grad_()
-            logits = self.forward(th[:, None], x)[:, 0]  # (A, B, C)
+            logits, leaves = self.forward.for_grad(theta[:, None], x)
+            logits = logits[:, 0]  # (A, B, C)
             nll = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
             # each client's mean over its real samples; summed, so each gets its own gradient
             loss = ((nll.view_as(y) * w[s]).sum(1) / w[s].sum(1).clamp_min(1)).sum()
-            (g,) = torch.autograd.grad(loss, th)
+            g = self.forward.flat_grad(torch.autograd.grad(loss, leaves))[:, 0]
             g = g + 2 * p.lambda_theta * theta
             buf = p.momentum * buf + g
             theta = theta - p.client_lr * buf

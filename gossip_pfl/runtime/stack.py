@@ -162,6 +162,28 @@ class BatchedForward:
         own tensor (:meth:`forward_parameters`)."""
         return not self.closed_form and self.mode == "vmap" and self.native is not None
 
+    def for_grad(self, theta: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """The logits of ``theta`` (L, M, P), detached, on ``x``, and the autograd leaves to
+        take their gradient in: each parameter (:attr:`by_parameter`), else the stack itself.
+        :meth:`flat_grad` lays the leaves' gradients out as theta."""
+        if self.by_parameter:
+            params = self.layout.unflatten(theta.detach())
+            leaves = [v.requires_grad_(True) for v in params.values()]
+            return self.forward_parameters(params, x), leaves
+        leaf = theta.detach().requires_grad_(True)
+        return self(leaf, x), [leaf]
+
+    def flat_grad(self, parts: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The gradients of :meth:`for_grad`'s leaves as one (L, M, P) tensor, written into
+        ``out`` when given (each in its place: one pass)."""
+        if not self.by_parameter:
+            return parts[0] if out is None else out.copy_(parts[0])
+        if out is None:
+            return torch.cat([g.flatten(2) for g in parts], -1)
+        for place, g in zip(self.layout.unflatten(out).values(), parts):
+            place.copy_(g)
+        return out
+
     def forward_parameters(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """:meth:`__call__` on ``params`` {name: (L, M, *shape)} (:attr:`by_parameter` only):
         autograd can then take each parameter's gradient as its own leaf. A leaf of the flat
