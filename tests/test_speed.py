@@ -7,13 +7,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 from _helpers import _PRELOAD, run_ranks, toy_dataset
 
+from gossip_pfl.algorithms.base import weighted_loss_grad
+from gossip_pfl.algorithms.losses import sample_loss
 from gossip_pfl.config import load_config
+from gossip_pfl.models import build_model
+from gossip_pfl.runtime.stack import BatchedForward, ParamLayout, init_components
 from gossip_pfl.runtime.threads import (
     configure_host,
     default_threads,
@@ -646,29 +651,24 @@ def test_kernel_threads_work_in_a_forked_child():
     assert child.exitcode == 0
 
 
-@pytest.mark.parametrize("precision", ["float32", "bf16"])
+@pytest.mark.parametrize("batching, precision", [("auto", "float32"), ("auto", "bf16"),
+                                                 ("loop", "float32")])  # fmt: skip
 @pytest.mark.parametrize(
     "name, shape, options",
     [("cnn", (1, 28, 28), {"channels": [3, 4], "hidden": 8}), ("mlp", (12,), {"hidden": [7, 5]}),
      ("lenet", (3, 32, 32), {})],
 )  # fmt: skip
-def test_parameter_leaves_give_the_flat_leaf_gradient(name, shape, options, precision):
+def test_parameter_leaves_give_the_flat_leaf_gradient(name, shape, options, batching,
+                                                     precision):  # fmt: skip
     """weighted_loss_grad with each parameter its own autograd leaf (the model's batched
     layers) gives the bits of a leaf of the flat (A, M, P) stack seen through its parameter
     views (the way before: a zero-filled full-size gradient per parameter, summed), in pieces
-    of the peer axis too; and the same losses."""
-    from types import SimpleNamespace
-
-    from gossip_pfl.algorithms.base import weighted_loss_grad
-    from gossip_pfl.algorithms.losses import sample_loss
-    from gossip_pfl.models import build_model
-    from gossip_pfl.runtime.stack import BatchedForward, ParamLayout, init_components
-
+    of the peer axis too; and the same losses. A per-peer loop keeps the flat leaf."""
     torch.manual_seed(0)
     model = build_model(name, shape, 5, **options)
     layout = ParamLayout(model)
-    fwd = BatchedForward(model, layout, precision=precision)
-    assert fwd.by_parameter
+    fwd = BatchedForward(model, layout, batching, precision=precision)
+    assert fwd.by_parameter == (batching == "auto")
     L, M, B = 4, 2, 6
     theta = init_components(lambda: build_model(name, shape, 5, **options), layout, M, 0)
     theta = (theta[None] + 0.01 * torch.randn(L, *theta.shape)).contiguous()
