@@ -118,24 +118,28 @@ def profile_round(trainer: Trainer, t: int, rows: int = 25) -> str:
               (type(trainer.surrogate), "shared_grad", "phase: gradients"),
               (type(trainer.solver), "step", "phase: solver step")]  # fmt: skip
     methods = [cls.__dict__.get(name) for cls, name, _ in phases]
-    for cls, name, label in phases:
-        setattr(cls, name, labelled(getattr(cls, name), label))
     acts = [ProfilerActivity.CPU, *([ProfilerActivity.CUDA] if cuda else [])]
     try:
+        for cls, name, label in phases:
+            setattr(cls, name, labelled(getattr(cls, name), label))
         with profile(activities=acts) as prof:
             trainer.local_work(t)
             sync(device)
     finally:
         for (cls, name, _), method in zip(phases, methods):
-            if method is None:  # inherited: drop the wrapper
-                delattr(cls, name)
-            else:
+            if method is not None:
                 setattr(cls, name, method)
+            elif name in cls.__dict__:  # inherited: drop the wrapper
+                delattr(cls, name)
     key = "self_device_time_total" if cuda else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=48)
-    spans = prof.key_averages().table(sort_by="cpu_time_total", row_limit=8,
-                                      max_name_column_width=48)  # fmt: skip
-    return f"{table}\n{spans}"
+    averages = prof.key_averages()
+    table = averages.table(sort_by=key, row_limit=rows, max_name_column_width=48)
+    # the host's spans (a GPU's copies of the annotations are rows of their own)
+    spans = [e for e in averages if e.key.startswith("phase: ") and e.device_type.name == "CPU"]
+    lines = [f"{e.key}: {e.cpu_time_total / 1e3:.1f} ms on the host"
+             + (f", {e.device_time_total / 1e3:.1f} ms on the GPU" if cuda else "")
+             + f" ({e.count} calls)" for e in spans]  # fmt: skip
+    return "\n".join([table, *lines])
 
 
 def floor_epoch(args, trainer: Trainer, mode: str) -> float:

@@ -82,18 +82,20 @@ stage() {
 # operations per round, a profile of a round (both ways), the CNN (with a profile of a round)
 bench() {
     export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
-    # a failed run shows its last lines and the others still run
-    stage synthetic "$1" bash -c 'for g in false true false true; do
+    # a failed run shows its last lines, the others still run, and the stage then fails
+    stage synthetic "$1" bash -c 'failed=0; for g in false true false true; do
         echo "runtime.cuda_graphs=$g:"
         $PY -m gossip_pfl run configs/synthetic/dfedem.yaml --no-plots --overwrite \
             --set runtime.device=$DEV --set runtime.cuda_graphs=$g --out runs/gpu_kit/synthetic \
             > /tmp/synthetic.log 2>&1 && grep -E "wall_s|test_acc" /tmp/synthetic.log \
-            || { echo "failed:"; tail -5 /tmp/synthetic.log; }
+            || { failed=1; echo "failed:"; tail -5 /tmp/synthetic.log; }
     done
     if [ -d .gpu_kit/anchor ]; then echo "anchor:"; cd .gpu_kit/anchor && \
         PYTHONPATH=$PWD:$PYTHONPATH $PY -m gossip_pfl run configs/synthetic/dfedem.yaml \
-            --overwrite --set runtime.device=$DEV --out /tmp/anchor_run | grep -E "wall_s|test_acc"
-    fi'
+            --overwrite --set runtime.device=$DEV --out /tmp/anchor_run \
+            | grep -E "wall_s|test_acc" || failed=1
+    fi
+    exit $failed'
     stage ops "$2" $PY benchmarks/bench_ops.py --rounds 5 --set runtime.device=$DEV \
         --json "$OUT/bench_ops.json"
     stage profile "$3" bash -c '$PY benchmarks/gpu_profile.py --set runtime.cuda_graphs=false &&
@@ -125,4 +127,9 @@ case "${1:-}" in
         exit 2
         ;;
 esac
+# a stage's timeout (124, or 137 when killed) would read as the device call's own timeout
+if [ "$worst" -eq 124 ] || [ "$worst" -eq 137 ]; then
+    echo "gpu_kit: a stage ran past its time limit (exit $worst; see its log)" >&2
+    exit 3
+fi
 exit "$worst"

@@ -18,6 +18,7 @@ SOLVERS = {
     "momentum and decay": LocalSGD(lr=0.3, momentum=0.9, weight_decay=0.7),
     "plain": LocalSGD(lr=0.3),
     "proximal, no momentum": LocalSGD(lr=0.1, weight_decay=0.3, prox_mu=0.6),
+    "proximal with momentum": LocalSGD(lr=0.1, momentum=0.5, prox_mu=0.6),
 }
 ROWS = {"every peer": slice(None), "a slice": slice(1, 4), "indexed": [0, 2, 3]}
 
@@ -56,14 +57,18 @@ def test_step_gives_the_definitions_bits(name, where, corrected):
     state = solver.init(theta)
     state.momentum.normal_(generator=torch.Generator().manual_seed(1))
     scale = torch.rand(L, generator=torch.Generator().manual_seed(2)) + 0.5
-    correction = torch.randn(a, M, P) if corrected else None
+    correction = (
+        torch.randn(a, M, P, generator=torch.Generator().manual_seed(4)) if corrected else None
+    )
     want_theta, want_mom = definition(solver, theta, grad, state.momentum, rows, scale, 0.1,
                                       anchor, correction)  # fmt: skip
-    grad_before = grad.clone()
+    inputs = [t.clone() for t in (grad, anchor, *([correction] if corrected else []))]
     solver.step(theta, grad, state, rows, scale, 0.1, anchor, correction)
     assert torch.equal(theta, want_theta)
     assert torch.equal(state.momentum, want_mom)
-    assert torch.equal(grad, grad_before)  # the caller's gradient is not a scratch buffer
+    # the caller's gradient, anchor and correction are not scratch buffers
+    for before, after in zip(inputs, (grad, anchor, correction)):
+        assert torch.equal(before, after)
     took = torch.zeros(L, dtype=torch.bool)
     took[rows] = True
     assert torch.equal(state.eta[took], (solver.lr * 0.1) * scale[took].double())

@@ -353,7 +353,8 @@ class PeFLLRun(RoundLoop):
             nll = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
             # each client's mean over its real samples; summed, so each gets its own gradient
             loss = ((nll.view_as(y) * w[s]).sum(1) / w[s].sum(1).clamp_min(1)).sum()
-            g = self.forward.flat_grad(torch.autograd.grad(loss, leaves))[:, 0]
+            parts = torch.autograd.grad(loss, leaves, materialize_grads=True)
+            g = self.forward.flat_grad(parts)[:, 0]
             g = g + 2 * p.lambda_theta * theta
             buf = p.momentum * buf + g
             theta = theta - p.client_lr * buf

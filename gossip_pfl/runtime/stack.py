@@ -179,7 +179,7 @@ class BatchedForward:
         if not self.by_parameter:
             return parts[0] if out is None else out.copy_(parts[0])
         if out is None:
-            return torch.cat([g.flatten(2) for g in parts], -1)
+            return torch.cat([g.reshape(*g.shape[:2], -1) for g in parts], -1)  # 0-dim too
         for place, g in zip(self.layout.unflatten(out).values(), parts):
             place.copy_(g)
         return out
