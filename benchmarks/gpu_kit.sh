@@ -63,7 +63,7 @@ install() {
 }
 
 # stage NAME SECONDS COMMAND...: COMMAND's output and exit status into $OUT/NAME.txt; the
-# script exits with the worst status of its stages
+# script exits with the worst status of its stages (3 for a stage past its time limit)
 worst=0
 stage() {
     local name=$1 limit=$2 rc t0=$SECONDS
