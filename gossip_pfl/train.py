@@ -277,6 +277,8 @@ class Trainer(RoundLoop):
         self._spare = {}  # mixing output buffers by shape (see _mix)
         self.last_loss = torch.zeros(L, dtype=torch.float64, device=self.device)
         self.steps_taken = torch.zeros(L, dtype=torch.float64, device=self.device)
+        self._taken = np.zeros(L)  # steps_taken on the host: uploaded only when it changes
+        self._everyone = torch.ones(L, dtype=torch.bool, device=self.device)
         self.track_loss = "loss" in self.rule.scalars
         self.line_search = isinstance(self.solver, LocalArmijo)
         # the line search's grow reset: 2^(1 / batches per epoch)
@@ -334,7 +336,8 @@ class Trainer(RoundLoop):
         steps on every participating peer at once; then what they send (``self.outbox``)."""
         L = len(self.peers)
         mine = np.ones(L, dtype=bool) if active is None else active[self.peers]
-        act = torch.as_tensor(mine, device=self.device)
+        # every peer (the common case): a mask made once, not an upload every round
+        act = self._everyone if mine.all() else torch.as_tensor(mine, device=self.device)
         theta = self.nodes[:L]
         self.start = theta.clone() if self.keep_start else None
         # (with fuses_e_step, q and the personal state are filled during the local steps)
@@ -385,7 +388,9 @@ class Trainer(RoundLoop):
             counts, self.train_ids[self.peers], self.cfg.seed, t, a.batch_size, epochs, steps,
             stream, post, a.loss_divisor == "batch",
         )  # fmt: skip
-        self.steps_taken.copy_(torch.as_tensor(taken, device=self.device))
+        if not np.array_equal(taken, self._taken):  # a round like the last one: no upload
+            self.steps_taken.copy_(torch.as_tensor(taken, device=self.device))
+            self._taken = np.array(taken, dtype=np.float64)
         if fused:
             with np.errstate(over="ignore"):  # an lr past float32: the finite check names it
                 neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_host
@@ -699,9 +704,10 @@ class Trainer(RoundLoop):
         if flat.numel() and not _all_finite(flat):
             bad = (~torch.isfinite(flat)).any(-1)
             first = int(self.peers[bad.nonzero()[0, 0].item()]) + 1
-        flag = torch.tensor([first], dtype=torch.float64, device=self.device)
-        many = self.comm.world_size > 1 and self.collectives
-        worst = int(self.comm.all_reduce_sum(flag).item()) if many else first
+        worst = first
+        if self.comm.world_size > 1 and self.collectives:  # the first bad peer on any rank
+            flag = torch.tensor([first], dtype=torch.float64, device=self.device)
+            worst = int(self.comm.all_reduce_sum(flag).item())
         if worst:
             raise GossipError(
                 f"round {t + 1}: the parameters of a peer (first: peer "  # rounds count from 1
