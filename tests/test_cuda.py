@@ -8,6 +8,10 @@ import pytest
 import torch
 from test_speed import CASES, rounds, trainer
 
+from gossip_pfl.config import load_config
+from gossip_pfl.data.base import ClientData, FederatedDataset
+from gossip_pfl.train import Trainer
+
 pytestmark = pytest.mark.cuda
 
 
@@ -77,3 +81,32 @@ def test_cuda_graph_steps_equal_eager_steps(participation, sizes, tmp_path):
     np.testing.assert_allclose(graphed.shared_parameters(), eager.shared_parameters(),
                                rtol=1e-6, atol=1e-7)  # fmt: skip
     torch.testing.assert_close(graphed.personal["pi"], eager.personal["pi"])
+
+
+def cnn_trainer(out, device: str) -> Trainer:
+    """FedEM on a small CNN with momentum and weight decay over 5 clients of 16x16 images: the
+    solver's in-place step, the gradients by parameter leaf, the grouped convolutions."""
+    rng = np.random.default_rng(0)
+    clients = []
+    for i, m in enumerate([40, 25, 60, 33, 18]):
+        x = rng.normal(size=(m + 10, 1, 16, 16)).astype(np.float32)
+        y = (x[:, 0, :8].mean((1, 2)) > x[:, 0, 8:].mean((1, 2))).astype(np.int64) + i % 2
+        clients.append(ClientData(x[:m], y[:m], x[:0], y[:0], x[m:], y[m:]))
+    data = FederatedDataset("toy images", clients, (1, 16, 16), 3, "multiclass", {}, [])
+    cfg = load_config(base={
+        "seed": 3, "rounds": 2, "model": {"name": "cnn", "channels": [3, 4], "hidden": 8},
+        "algorithm": {"name": "fedem", "components": 2, "lr": 0.1, "batch_size": 8,
+                      "momentum": 0.9, "weight_decay": 1e-3},
+        "runtime": {"device": device}, "out": str(out),
+    })  # fmt: skip
+    return Trainer(cfg, dataset=data, log=lambda *a: None)
+
+
+def test_cnn_fedem_on_cuda_equals_cpu(tmp_path):
+    """Two rounds of the CNN's FedEM on CUDA give the CPU's parameters and mixture weights
+    to float tolerance (deterministic kernels, TF32 off)."""
+    gpu, cpu = (rounds(cnn_trainer(tmp_path / d, d), 2) for d in ("cuda", "cpu"))
+    assert gpu.forward.by_parameter and gpu.device.type == "cuda"
+    np.testing.assert_allclose(gpu.shared_parameters(), cpu.shared_parameters(),
+                               rtol=1e-4, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(gpu.personal["pi"].cpu(), cpu.personal["pi"], rtol=1e-4, atol=1e-5)
