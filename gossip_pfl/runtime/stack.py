@@ -151,10 +151,15 @@ class BatchedForward:
             self.mode = "loop"
 
     def __call__(self, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        if self.precision == "bf16":  # autocast forward; the logits back in float32
-            with torch.autocast(theta.device.type, dtype=torch.bfloat16):
-                return self._call(theta, x).float()
-        return self._call(theta, x)
+        return self._in_precision(self._call, theta, x)
+
+    def _in_precision(self, forward, params, x: torch.Tensor) -> torch.Tensor:
+        """``forward(params, x)`` in the run's precision: bf16 autocasts it and gives the
+        logits back in float32."""
+        if self.precision == "bf16":
+            with torch.autocast(x.device.type, dtype=torch.bfloat16):
+                return forward(params, x).float()
+        return forward(params, x)
 
     @property
     def by_parameter(self) -> bool:
@@ -190,10 +195,7 @@ class BatchedForward:
         (L, M, P) stack with the parameters as its views costs, in the backward, a zero-filled
         full-size gradient per parameter, each summed into the next: on the FedEM CNN (eight
         parameters, 6.5 million values a peer) more memory traffic than the step."""
-        if self.precision == "bf16":
-            with torch.autocast(x.device.type, dtype=torch.bfloat16):
-                return self.native(params, x).float()
-        return self.native(params, x)
+        return self._in_precision(self.native, params, x)
 
     def _call(self, theta: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         if self.closed_form:
