@@ -77,9 +77,10 @@ stage() {
     return 0
 }
 
-# bench SYNTHETIC_S OPS_S PROFILE_S CNN_S MAX_PEERS CNN_MODES: 200 synthetic rounds on the
-# GPU (this tree without and with CUDA graphs, twice each, alternating; then the anchor),
-# operations per round, a profile of a round (both ways), the CNN (with a profile of a round)
+# bench SYNTHETIC_S OPS_S PROFILE_S CNN_S MAX_PEERS CNN_MODES CONV_S: 200 synthetic rounds
+# on the GPU (this tree without and with CUDA graphs, twice each, alternating; then the
+# anchor), operations per round, a profile of a round (both ways), the CNN's step in three
+# convolution layouts, the CNN (with a profile of a round)
 bench() {
     export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
     # a failed run shows its last lines, the others still run, and the stage then fails
@@ -96,10 +97,12 @@ bench() {
             | grep -E "wall_s|test_acc" || failed=1
     fi
     exit $failed'
-    stage ops "$2" $PY benchmarks/bench_ops.py --rounds 5 --set runtime.device=$DEV \
-        --json "$OUT/bench_ops.json"
+    # its JSON into its log: the device tool returns at most 8 files
+    stage ops "$2" bash -c '$PY benchmarks/bench_ops.py --rounds 5 --set runtime.device=$DEV \
+        --json /tmp/bench_ops.json && cat /tmp/bench_ops.json'
     stage profile "$3" bash -c '$PY benchmarks/gpu_profile.py --set runtime.cuda_graphs=false &&
         $PY benchmarks/gpu_profile.py'
+    stage conv "$7" $PY benchmarks/bench_conv.py --device $DEV
     stage cnn "$4" $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers "$5" \
         --modes "$6" --profile --json "$OUT/bench_cnn.json"
 }
@@ -112,7 +115,7 @@ case "${1:-}" in
         # pyproject's --maxprocesses 4 (for 2-core CI machines) would cap -n
         stage tests 500 $PY -m pytest -n 8 --maxprocesses 8 -rs
         ;;
-    bench) install; bench 150 100 120 300 3200 float32,tf32,bf16 ;;
+    bench) install; bench 150 100 120 300 3200 float32,tf32,bf16 60 ;;
     all)
         install
         # under the device tool's 10-minute call: the suite took 123 s on an H200, and 74 s
@@ -120,7 +123,7 @@ case "${1:-}" in
         stage tests 140 $PY -m pytest -n 8 --maxprocesses 8 -rs -q --durations=12
         # the second H200 lease: synthetic 85 s, ops 17 s; the CNN's three modes and the
         # sweep did not fit 150 s (TF32 is measured: 0.92x float32)
-        bench 100 40 70 200 800 float32,bf16
+        bench 100 40 60 180 800 float32,bf16 40
         ;;
     *)
         echo "usage: benchmarks/gpu_kit.sh prepare|test|bench|all" >&2

@@ -1,0 +1,151 @@
+"""How the batched CNN's convolutions should run on a GPU: one training step (forward and the
+gradients of every parameter) of the full FedEM CNN (conv 32/64, 2048 hidden units) for 100
+peers x M = 3 components and a minibatch of 32 (the Fashion-MNIST study's shapes), timed in
+several layouts side by side:
+
+- ``grouped``: the model's own ``batched_forward`` (peers are convolution groups, NCHW);
+- ``channels_last``: the same grouped convolutions on channels-last tensors;
+- ``unfold``: the second convolution (nine tenths of the step's multiply-adds) as an unfold and
+  one batched matrix product per (peer, component);
+
+each in float32 and under bf16 autocast, with a profile of the model's own step by operator.
+Every variant's gradients are compared with the model's (largest relative difference).
+
+    python benchmarks/bench_conv.py [--device cuda] [--peers 100] [--batch 32] [--iters 20]
+    python benchmarks/bench_conv.py --device cpu --peers 4 --iters 3   # a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from gossip_pfl.models import FedEMCNN, batched_linear
+
+
+def channels_last(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """FedEMCNN.batched_forward with the convolutions' inputs and weights channels-last."""
+    cl = torch.channels_last
+    w1, w2 = params["conv1.weight"], params["conv2.weight"]
+    L, M = w1.shape[:2]
+    B = x.shape[1]
+    h = x.transpose(0, 1).flatten(1, 2).contiguous(memory_format=cl)
+    w1 = w1.flatten(0, 2).contiguous(memory_format=cl)
+    h = torch.conv2d(h, w1, params["conv1.bias"].flatten(), groups=L)
+    h = torch.relu_(torch.max_pool2d(h, 2))
+    w2 = w2.flatten(0, 2).contiguous(memory_format=cl)
+    h = torch.conv2d(h, w2, params["conv2.bias"].flatten(), groups=L * M)
+    h = torch.relu_(torch.max_pool2d(h, 2)).contiguous()
+    h = h.reshape(B, L, M, -1).permute(1, 2, 0, 3)
+    h = torch.relu(batched_linear(h, params["fc1.weight"], params["fc1.bias"]))
+    return batched_linear(h, params["fc2.weight"], params["fc2.bias"])
+
+
+def unfold(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """FedEMCNN.batched_forward with the second convolution as unfold + batched products."""
+    w1, w2 = params["conv1.weight"], params["conv2.weight"]
+    L, M, c2, c1, k, _ = w2.shape
+    B = x.shape[1]
+    h = x.transpose(0, 1).flatten(1, 2)
+    h = torch.conv2d(h, w1.flatten(0, 2), params["conv1.bias"].flatten(), groups=L)
+    h = torch.relu_(torch.max_pool2d(h, 2))  # (B, L*M*c1, s, s)
+    s = h.shape[-1] - k + 1
+    cols = F.unfold(h, k).view(B, L * M, c1 * k * k, s * s)  # (B, G, c1*k*k, s*s)
+    out = torch.einsum("gok,bgkp->bgop", w2.reshape(L * M, c2, c1 * k * k), cols)
+    out = out + params["conv2.bias"].reshape(1, L * M, c2, 1)
+    h = out.reshape(B, L * M * c2, s, s)
+    h = torch.relu_(torch.max_pool2d(h, 2))
+    h = h.reshape(B, L, M, -1).permute(1, 2, 0, 3)
+    h = torch.relu(batched_linear(h, params["fc1.weight"], params["fc1.bias"]))
+    return batched_linear(h, params["fc2.weight"], params["fc2.bias"])
+
+
+VARIANTS = {"grouped": FedEMCNN.batched_forward, "channels_last": channels_last, "unfold": unfold}
+
+
+def step(forward, params, x, y, bf16: bool) -> list[torch.Tensor]:
+    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
+        logits = forward(params, x)  # (L, M, B, C)
+    L, M, B, C = logits.shape
+    loss = F.cross_entropy(logits.float().reshape(-1, C), y[:, None].expand(L, M, B).reshape(-1))
+    return list(torch.autograd.grad(loss, list(params.values())))
+
+
+def timed(fn, device: torch.device, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--peers", type=int, default=100)
+    ap.add_argument("--components", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    torch.backends.cudnn.benchmark = True  # as bench_cnn.py's runs (runtime.deterministic off)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    torch.manual_seed(0)
+    model = FedEMCNN((1, 28, 28), 10)
+    L, M, B = args.peers, args.components, args.batch
+    params = {
+        name: (p.detach()[None, None] + 0.01 * torch.randn(L, M, *p.shape))
+        .to(device)
+        .requires_grad_()
+        for name, p in model.named_parameters()
+    }
+    x = torch.rand(L, B, 1, 28, 28, device=device)
+    y = torch.randint(0, 10, (L, B), device=device)
+    macs = (
+        B * L * M * sum([32 * 24 * 24 * 25, 64 * 8 * 8 * 32 * 25, 1024 * 2048, 2048 * 10])
+    )  # forward multiply-adds; a step is about three times that
+    print(f"# {L} peers x M = {M}, batch {B}, {device}"
+          + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
+          + f"; {6 * macs / 1e9:.0f} GFLOP a step")  # fmt: skip
+    print("| variant | float32 ms | bf16 ms | largest rel. diff of gradients |")
+    print("|---|---|---|---|")
+    reference = step(VARIANTS["grouped"], params, x, y, False)
+    for name, forward in VARIANTS.items():
+        try:
+            grads = step(forward, params, x, y, False)
+            diff = max(float((g - r).abs().max() / r.abs().max().clamp_min(1e-30))
+                       for g, r in zip(grads, reference))  # fmt: skip
+            del grads
+            ms = [1e3 * timed(partial(step, forward, params, x, y, bf16), device, args.iters)
+                  for bf16 in (False, True)]  # fmt: skip
+            print(f"| {name} | {ms[0]:.2f} | {ms[1]:.2f} | {diff:.1e} |", flush=True)
+        except torch.cuda.OutOfMemoryError:
+            print(f"| {name} | out of memory | | |", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        step(VARIANTS["grouped"], params, x, y, False)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
