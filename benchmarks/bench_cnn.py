@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from gossip_pfl import models
 from gossip_pfl.config import load_config
 from gossip_pfl.errors import GossipError
 from gossip_pfl.models import build_model
@@ -41,6 +42,8 @@ from gossip_pfl.train import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "fashion_mnist" / "fedem.yaml"
+#: --conv -> models.CONV_AS_PRODUCTS (auto: the module's own, by device)
+CONV_FORMS = {"auto": None, "groups": (), "products": ("cpu", "cuda")}
 #: mode -> (runtime.precision, runtime.tf32)
 MODES = {"float32": ("float32", False), "tf32": ("float32", True), "bf16": ("bf16", False)}
 
@@ -216,8 +219,15 @@ def main() -> None:
                     help="double the peers up to this many (first mode only); 0: skip")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
                     help="profile a round of the first mode (operations, then phases)")  # fmt: skip
+    ap.add_argument("--conv", default="auto",
+                    help="the convolutions' forms, side by side: auto (the device's), groups, "
+                    "products (gossip_pfl.models.conv_blocks)")  # fmt: skip
+    ap.add_argument("--no-floor", action="store_true", help="skip the one-model floor")
     ap.add_argument("--json", type=Path, default=ROOT / "runs" / "bench_cnn.json")
     args = ap.parse_args()
+    convs = args.conv.split(",")
+    if any(c not in CONV_FORMS for c in convs):
+        ap.error(f"--conv: {args.conv}; known: {', '.join(CONV_FORMS)}")
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -225,17 +235,22 @@ def main() -> None:
     if args.device == "cpu":
         modes = [m for m in modes if m != "tf32"]  # TF32 is a CUDA setting
 
-    rows = []
-    for mode in modes:
-        row, trainer = fedem_round(args, args.peers, mode)
-        if args.profile and mode == modes[0]:
-            print(profile_round(trainer, args.rounds + 1), flush=True)
-        row["floor_s"] = floor_epoch(args, trainer, mode)
-        rows.append(row)
-        print(f"# {json.dumps(row)}", flush=True)  # as it goes: a run cut short keeps these
-        del trainer
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    rows, own = [], models.CONV_AS_PRODUCTS
+    for conv in convs:
+        models.CONV_AS_PRODUCTS = own if CONV_FORMS[conv] is None else CONV_FORMS[conv]
+        for mode in modes:
+            row, trainer = fedem_round(args, args.peers, mode)
+            row["conv"] = conv
+            if args.profile and not rows:
+                print(profile_round(trainer, args.rounds + 1), flush=True)
+            if not args.no_floor and conv == convs[0]:
+                row["floor_s"] = floor_epoch(args, trainer, mode)
+            rows.append(row)
+            print(f"# {json.dumps(row)}", flush=True)  # as it goes: a run cut short keeps these
+            del trainer
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    models.CONV_AS_PRODUCTS = own if CONV_FORMS[convs[0]] is None else CONV_FORMS[convs[0]]
     scale = most_peers(args, modes[0]) if args.max_peers else []
     from bench_ops import commit, machine
 
@@ -246,14 +261,15 @@ def main() -> None:
     args.json.write_text(json.dumps(record, indent=2) + "\n")
     print(f"# commit {record['commit']}, {record['machine']}, device {args.device}; "
           f"written to {args.json}")  # fmt: skip
-    f32 = next((r["floor_s"] for r in rows if r["mode"] == "float32"), None)
-    print("| mode | peers x M | train samples | FedEM local s/round | one-model floor s/epoch "
-          "| local / float32 floor | peak GB |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    f32 = next((r["floor_s"] for r in rows if r["mode"] == "float32" and "floor_s" in r), None)
+    print("| conv | mode | peers x M | train samples | FedEM local s/round | one-model floor "
+          "s/epoch | local / float32 floor | peak GB |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['local_s'] / f32:.2f}" if f32 else "-"
-        print(f"| {r['mode']} | {r['peers']} x 3 | {r['train_samples']} | {r['local_s']:.3f} | "
-              f"{r['floor_s']:.3f} | {ratio} | {r['peak_gb']:.2f} |")  # fmt: skip
+        floor = f"{r['floor_s']:.3f}" if "floor_s" in r else "-"
+        print(f"| {r['conv']} | {r['mode']} | {r['peers']} x 3 | {r['train_samples']} | "
+              f"{r['local_s']:.3f} | {floor} | {ratio} | {r['peak_gb']:.2f} |")  # fmt: skip
     for r in scale:
         fits = r["error"] if r["local_s"] is None else (
             f"{r['local_s']:.3f} s/round, {r['peak_gb']:.2f} GB")  # fmt: skip

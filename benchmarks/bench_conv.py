@@ -3,13 +3,14 @@ gradients of every parameter) of the full FedEM CNN (conv 32/64, 2048 hidden uni
 peers x M = 3 components and a minibatch of 32 (the Fashion-MNIST study's shapes), timed in
 several layouts side by side:
 
-- ``grouped``: the model's own ``batched_forward`` (peers are convolution groups, NCHW);
+- ``groups``: peers (and components) as convolution groups, NCHW (the CPU's form);
 - ``channels_last``: the same grouped convolutions on channels-last tensors;
-- ``unfold``: the second convolution (nine tenths of the step's multiply-adds) as an unfold and
-  one batched matrix product per (peer, component);
+- ``products``: each convolution as one batched matrix product over image patches (the GPU's
+  form, ``gossip_pfl.models.conv_blocks``);
 
-each in float32 and under bf16 autocast, with a profile of the model's own step by operator.
-Every variant's gradients are compared with the model's (largest relative difference).
+each in float32 and under bf16 autocast, then a profile of a step in each of the model's two
+forms, by operator. Every variant's gradients are compared with those of ``groups`` (largest
+relative difference).
 
     python benchmarks/bench_conv.py [--device cuda] [--peers 100] [--batch 32] [--iters 20]
     python benchmarks/bench_conv.py --device cpu --peers 4 --iters 3   # a smoke test
@@ -25,11 +26,26 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from gossip_pfl import models
 from gossip_pfl.models import FedEMCNN, batched_linear
 
 
+def conv_on(devices: tuple[str, ...]):
+    """FedEMCNN.batched_forward with models.CONV_AS_PRODUCTS set to ``devices`` for the
+    forward (the backward follows the graph it made)."""
+
+    def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        saved, models.CONV_AS_PRODUCTS = models.CONV_AS_PRODUCTS, devices
+        try:
+            return FedEMCNN.batched_forward(params, x)
+        finally:
+            models.CONV_AS_PRODUCTS = saved
+
+    return forward
+
+
 def channels_last(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """FedEMCNN.batched_forward with the convolutions' inputs and weights channels-last."""
+    """The grouped convolutions on channels-last inputs and weights."""
     cl = torch.channels_last
     w1, w2 = params["conv1.weight"], params["conv2.weight"]
     L, M = w1.shape[:2]
@@ -46,26 +62,11 @@ def channels_last(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Ten
     return batched_linear(h, params["fc2.weight"], params["fc2.bias"])
 
 
-def unfold(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """FedEMCNN.batched_forward with the second convolution as unfold + batched products."""
-    w1, w2 = params["conv1.weight"], params["conv2.weight"]
-    L, M, c2, c1, k, _ = w2.shape
-    B = x.shape[1]
-    h = x.transpose(0, 1).flatten(1, 2)
-    h = torch.conv2d(h, w1.flatten(0, 2), params["conv1.bias"].flatten(), groups=L)
-    h = torch.relu_(torch.max_pool2d(h, 2))  # (B, L*M*c1, s, s)
-    s = h.shape[-1] - k + 1
-    cols = F.unfold(h, k).view(B, L * M, c1 * k * k, s * s)  # (B, G, c1*k*k, s*s)
-    out = torch.einsum("gok,bgkp->bgop", w2.reshape(L * M, c2, c1 * k * k), cols)
-    out = out + params["conv2.bias"].reshape(1, L * M, c2, 1)
-    h = out.reshape(B, L * M * c2, s, s)
-    h = torch.relu_(torch.max_pool2d(h, 2))
-    h = h.reshape(B, L, M, -1).permute(1, 2, 0, 3)
-    h = torch.relu(batched_linear(h, params["fc1.weight"], params["fc1.bias"]))
-    return batched_linear(h, params["fc2.weight"], params["fc2.bias"])
-
-
-VARIANTS = {"grouped": FedEMCNN.batched_forward, "channels_last": channels_last, "unfold": unfold}
+VARIANTS = {
+    "groups": conv_on(()),
+    "channels_last": channels_last,
+    "products": conv_on(("cpu", "cuda")),
+}
 
 
 def step(forward, params, x, y, bf16: bool) -> list[torch.Tensor]:
@@ -121,7 +122,7 @@ def main() -> None:
           + f"; {6 * macs / 1e9:.0f} GFLOP a step")  # fmt: skip
     print("| variant | float32 ms | bf16 ms | largest rel. diff of gradients |")
     print("|---|---|---|---|")
-    reference = step(VARIANTS["grouped"], params, x, y, False)
+    reference = step(VARIANTS["groups"], params, x, y, False)
     for name, forward in VARIANTS.items():
         try:
             grads = step(forward, params, x, y, False)
@@ -139,12 +140,14 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
-        step(VARIANTS["grouped"], params, x, y, False)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=key, row_limit=15, max_name_column_width=60))
+    for name in ("groups", "products"):
+        with profile(activities=acts) as prof:
+            step(VARIANTS[name], params, x, y, False)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+        print(f"# {name}, float32:")
+        print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=60))
 
 
 if __name__ == "__main__":

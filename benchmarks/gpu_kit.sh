@@ -9,6 +9,7 @@
 #   benchmarks/gpu_kit.sh test      # there (carry .gpu_kit): install, the test suite
 #   benchmarks/gpu_kit.sh bench     # there: synthetic 200 rounds, operations, the CNN
 #   benchmarks/gpu_kit.sh all       # there: both in one call (shorter limits; 15-minute leases)
+#   benchmarks/gpu_kit.sh cnn       # there: the CNN's two forms of convolutions, about 6 minutes
 #
 # `test` and `bench` each fit one 10-minute call and write their logs to $OUT (at most 8
 # files come back). Each installs first, so either may run on a fresh machine.
@@ -125,8 +126,21 @@ case "${1:-}" in
         # sweep did not fit 150 s (TF32 is measured: 0.92x float32)
         bench 100 40 60 180 800 float32,bf16 40
         ;;
+    cnn)
+        # the CNN's two forms of the convolutions side by side, for a short lease: the CUDA
+        # tests, one step in each layout, rounds in each form and mode, the most clients
+        install
+        export OMP_NUM_THREADS=1 DEV=${DEV:-cuda}
+        stage tests 60 $PY -m pytest -n 4 --maxprocesses 4 -rs -q tests/test_cuda.py
+        stage conv 45 $PY benchmarks/bench_conv.py --device $DEV
+        stage cnn 170 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers 400 \
+            --modes float32,tf32,bf16 --conv products --no-floor --profile \
+            --json "$OUT/bench_cnn.json"
+        stage cnn_groups 70 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 \
+            --modes float32,bf16 --conv groups --no-floor --json /tmp/bench_cnn_groups.json
+        ;;
     *)
-        echo "usage: benchmarks/gpu_kit.sh prepare|test|bench|all" >&2
+        echo "usage: benchmarks/gpu_kit.sh prepare|test|bench|all|cnn" >&2
         exit 2
         ;;
 esac

@@ -61,6 +61,82 @@ class _MaxPool2x2(torch.autograd.Function):
         )
 
 
+#: devices on which conv_blocks runs its convolutions as batched matrix products
+CONV_AS_PRODUCTS = ("cuda",)
+#: bytes of image patches a batched product of conv_blocks reads at most (more: in slices)
+PATCH_BYTES = 2 << 30
+
+
+def conv_blocks(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """The two conv (valid) -> 2x2 max-pool -> ReLU blocks of the CNN and LeNet for many peers
+    and components at once: params ``conv1.*``, ``conv2.*`` {name: (L, M, *shape)}, x (L, B,
+    C, H, W) shared by the components -> features (L, M, B, c2 * h * w), flattened as
+    ``nn.Module``'s ``x.flatten(1)``. The pooling comes before the ReLU (they commute: the ReLU
+    then touches a quarter of the values).
+
+    On a CPU the peers are convolution groups: the first conv sees each peer's images once and
+    computes all M components as extra output channels (groups = L), the second runs one group
+    per (peer, component); several times faster than vmap over conv2d. On a GPU (
+    ``CONV_AS_PRODUCTS``) each conv is one batched matrix product over image patches instead:
+    cuDNN ran the grouped conv as one kernel per group (300 for the FedEM CNN's second conv
+    on an H100), and the products took the step from 29 to ... ms (benchmarks/bench_conv.py).
+    """
+    if x.device.type in CONV_AS_PRODUCTS:
+        return _conv_blocks_by_products(params, x)
+    w1, w2 = params["conv1.weight"], params["conv2.weight"]
+    L, M = w1.shape[:2]
+    B = x.shape[1]
+    h = x.transpose(0, 1).flatten(1, 2)  # (B, L*C, H, W)
+    h = torch.conv2d(h, w1.flatten(0, 2), params["conv1.bias"].flatten(), groups=L)
+    h = torch.relu_(max_pool_2x2(h))  # (B, L*M*c1, ., .)
+    h = torch.conv2d(h, w2.flatten(0, 2), params["conv2.bias"].flatten(), groups=L * M)
+    h = torch.relu_(max_pool_2x2(h))  # (B, L*M*c2, h, w)
+    return h.reshape(B, L, M, -1).permute(1, 2, 0, 3)
+
+
+def _conv_blocks_by_products(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """:func:`conv_blocks` as batched matrix products, the images' batch axis inside each
+    group's (N, C, B, H, W) so that no layout changes between the blocks."""
+    w1, w2 = params["conv1.weight"], params["conv2.weight"]
+    L, M, c1 = w1.shape[:3]
+    c2 = w2.shape[2]
+    # conv1: one group per peer, its M components' c1 channels as M * c1 outputs
+    h = _conv_pool_relu(
+        x.transpose(1, 2), w1.flatten(1, 2), params["conv1.bias"].flatten(1)
+    )  # (L, M*c1, B, h, w)
+    # conv2: one group per (peer, component)
+    h = _conv_pool_relu(
+        h.unflatten(1, (M, c1)).flatten(0, 1),
+        w2.flatten(0, 1),
+        params["conv2.bias"].flatten(0, 1),
+    )  # (L*M, c2, B, h, w)
+    B = h.shape[2]
+    return h.reshape(L, M, c2, B, -1).transpose(2, 3).reshape(L, M, B, -1)
+
+
+def _conv_pool_relu(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """h (N, C, B, H, W), weight (N, O, C, k, k), bias (N, O) -> ReLU(2x2 max-pool(valid
+    conv)) (N, O, B, H', W'), group by group: each group's patches (C*k*k, B*H*W) times its
+    (O, C*k*k) weights, in slices of groups whose patches fit ``PATCH_BYTES``."""
+    N, C, B, H, W = h.shape
+    O, k = weight.shape[1], weight.shape[-1]
+    Ho, Wo = H - k + 1, W - k + 1
+    per_group = C * k * k * B * Ho * Wo * h.element_size()
+    rows = max(1, PATCH_BYTES // max(per_group, 1))
+    outs = []
+    for i in range(0, N, rows):
+        part = h[i : i + rows]
+        n = part.shape[0]
+        # every k x k window as a view, then one copy in the product's layout
+        patches = part.unfold(3, k, 1).unfold(4, k, 1)  # (n, C, B, Ho, Wo, k, k)
+        patches = patches.permute(0, 1, 5, 6, 2, 3, 4).reshape(n, C * k * k, B * Ho * Wo)
+        w = weight[i : i + rows].reshape(n, O, C * k * k)
+        out = torch.baddbmm(bias[i : i + rows].unsqueeze(-1), w, patches)
+        out = torch.max_pool2d(out.view(n * O, B, Ho, Wo), 2)
+        outs.append(torch.relu_(out).view(n, O, B, Ho // 2, Wo // 2))
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
 class Linear(nn.Module):
     """One linear layer with bias on flattened inputs (the FedEM synthetic model)."""
 
@@ -142,22 +218,9 @@ class FedEMCNN(nn.Module):
 
     @staticmethod
     def batched_forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """params {name: (L, M, *shape)}, x (L, B, C, H, W) -> logits (L, M, B, classes).
-
-        Peers become convolution groups: the first conv sees each peer's images once and
-        computes all M components as extra output channels (groups = L), the second runs
-        one group per (peer, component). Several times faster than vmap over conv2d.
-        """
-        w1, w2 = params["conv1.weight"], params["conv2.weight"]
-        L, M = w1.shape[:2]
-        B = x.shape[1]
-        h = x.transpose(0, 1).flatten(1, 2)  # (B, L*C, H, W)
-        h = torch.conv2d(h, w1.flatten(0, 2), params["conv1.bias"].flatten(), groups=L)
-        # pool before the ReLU (they commute): the ReLU then touches a quarter of the values
-        h = torch.relu_(max_pool_2x2(h))  # (B, L*M*c1, ., .)
-        h = torch.conv2d(h, w2.flatten(0, 2), params["conv2.bias"].flatten(), groups=L * M)
-        h = torch.relu_(max_pool_2x2(h))  # (B, L*M*c2, h, w)
-        h = h.reshape(B, L, M, -1).permute(1, 2, 0, 3)  # (L, M, B, features)
+        """params {name: (L, M, *shape)}, x (L, B, C, H, W) -> logits (L, M, B, classes);
+        the convolutions as :func:`conv_blocks` runs them."""
+        h = conv_blocks(params, x)  # (L, M, B, features)
         h = torch.relu(batched_linear(h, params["fc1.weight"], params["fc1.bias"]))
         return batched_linear(h, params["fc2.weight"], params["fc2.bias"])
 
@@ -193,16 +256,8 @@ class LeNet(nn.Module):
     @staticmethod
     def batched_forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         """params {name: (L, M, *shape)}, x (L, B, C, H, W) -> logits (L, M, B, classes);
-        peers (and components) are convolution groups, as in :class:`FedEMCNN`."""
-        w1, w2 = params["conv1.weight"], params["conv2.weight"]
-        L, M = w1.shape[:2]
-        B = x.shape[1]
-        h = x.transpose(0, 1).flatten(1, 2)  # (B, L*C, H, W)
-        h = torch.conv2d(h, w1.flatten(0, 2), params["conv1.bias"].flatten(), groups=L)
-        h = torch.relu(max_pool_2x2(h))  # (B, L*M*16, ., .)
-        h = torch.conv2d(h, w2.flatten(0, 2), params["conv2.bias"].flatten(), groups=L * M)
-        h = torch.relu(max_pool_2x2(h))
-        h = h.reshape(B, L, M, -1).permute(1, 2, 0, 3)  # (L, M, B, features)
+        the convolutions as :func:`conv_blocks` runs them."""
+        h = conv_blocks(params, x)  # (L, M, B, features)
         h = torch.relu(batched_linear(h, params["fc1.weight"], params["fc1.bias"]))
         h = torch.relu(batched_linear(h, params["fc2.weight"], params["fc2.bias"]))
         return batched_linear(h, params["fc3.weight"], params["fc3.bias"])

@@ -378,6 +378,38 @@ def test_bad_model_options_name_the_option(name, options, words):
 def test_native_batched_layers_equal_the_plain_model(name, shape, options):
     """A model's own batched_forward gives the per-(peer, component) nn.Module's outputs and
     gradients."""
+    _batched_layers_equal_the_loop(name, shape, options)
+
+
+@pytest.mark.parametrize(
+    "name, shape, options",
+    [
+        ("cnn", (1, 28, 28), {"channels": [3, 4], "hidden": 6}),
+        ("cnn", (3, 32, 32), {"channels": [2, 5], "hidden": 4}),
+        ("lenet", (1, 28, 28), {}),
+    ],
+)
+@pytest.mark.parametrize("patch_bytes", [2 << 30, 1], ids=["one-product", "per-group"])
+def test_convolutions_as_products_equal_the_plain_model(
+    monkeypatch, name, shape, options, patch_bytes
+):
+    """The GPU's form of the convolutions (batched products over image patches, in slices of
+    groups when the patches pass PATCH_BYTES), run here on the CPU, gives the per-(peer,
+    component) nn.Module's outputs and gradients."""
+    from gossip_pfl import models
+
+    monkeypatch.setattr(models, "CONV_AS_PRODUCTS", ("cpu",))
+    monkeypatch.setattr(models, "PATCH_BYTES", patch_bytes)
+    calls = []
+    by_products = models._conv_blocks_by_products
+    monkeypatch.setattr(
+        models, "_conv_blocks_by_products", lambda *a: calls.append(1) or by_products(*a)
+    )
+    _batched_layers_equal_the_loop(name, shape, options)
+    assert calls  # the products ran
+
+
+def _batched_layers_equal_the_loop(name: str, shape: tuple, options: dict) -> None:
     from gossip_pfl.models import build_model
 
     model = build_model(name, shape, 4, **options)
