@@ -119,12 +119,10 @@ case "${1:-}" in
     bench) install; bench 150 100 120 300 3200 float32,tf32,bf16 60 ;;
     all)
         install
-        # under the device tool's 10-minute call: the suite took 123 s on an H200, and 74 s
-        # with four workers (-n 14 was capped by pyproject's --maxprocesses 4)
-        stage tests 140 $PY -m pytest -n 8 --maxprocesses 8 -rs -q --durations=12
-        # the second H200 lease: synthetic 85 s, ops 17 s; the CNN's three modes and the
-        # sweep did not fit 150 s (TF32 is measured: 0.92x float32)
-        bench 100 40 60 180 800 float32,bf16 40
+        # under the device tool's 10-minute call; the H100 lease's stages took: the suite
+        # 72 s (8 workers), synthetic 98 s, ops 20 s, profile 24 s, conv 33 s, the CNN 169 s
+        stage tests 110 $PY -m pytest -n 8 --maxprocesses 8 -rs -q --durations=12
+        bench 125 35 40 190 800 float32,bf16 45
         ;;
     cnn)
         # the CNN's two forms of the convolutions side by side, for a short lease: the CUDA
