@@ -218,7 +218,8 @@ def main() -> None:
     ap.add_argument("--max-peers", type=int, default=0,
                     help="double the peers up to this many (first mode only); 0: skip")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
-                    help="profile a round of the first mode (operations, then phases)")  # fmt: skip
+                    help="profile the first round timed (the first --conv form and mode): "
+                    "operations, then phases")  # fmt: skip
     ap.add_argument("--conv", default="auto",
                     help="the convolutions' forms, side by side: auto (the device's), groups, "
                     "products (gossip_pfl.models.conv_blocks)")  # fmt: skip
@@ -226,8 +227,9 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=ROOT / "runs" / "bench_cnn.json")
     args = ap.parse_args()
     convs = args.conv.split(",")
-    if any(c not in CONV_FORMS for c in convs):
-        ap.error(f"--conv: {args.conv}; known: {', '.join(CONV_FORMS)}")
+    unknown = [c for c in convs if c not in CONV_FORMS]
+    if unknown:
+        ap.error(f"--conv: unknown {', '.join(unknown)}; known: {', '.join(CONV_FORMS)}")
     modes = args.modes.split(",")
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -252,6 +254,8 @@ def main() -> None:
                 torch.cuda.empty_cache()
     models.CONV_AS_PRODUCTS = own if CONV_FORMS[convs[0]] is None else CONV_FORMS[convs[0]]
     scale = most_peers(args, modes[0]) if args.max_peers else []
+    for row in scale:
+        row["conv"] = convs[0]
     from bench_ops import commit, machine
 
     record = {"commit": commit(), "machine": machine(), "device": args.device,
@@ -263,7 +267,7 @@ def main() -> None:
           f"written to {args.json}")  # fmt: skip
     f32 = next((r["floor_s"] for r in rows if r["mode"] == "float32" and "floor_s" in r), None)
     print("| conv | mode | peers x M | train samples | FedEM local s/round | one-model floor "
-          "s/epoch | local / float32 floor | peak GB |")  # fmt: skip
+          "s/epoch | local / float32 floor | peak GiB |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['local_s'] / f32:.2f}" if f32 else "-"
@@ -272,8 +276,8 @@ def main() -> None:
               f"{r['local_s']:.3f} | {floor} | {ratio} | {r['peak_gb']:.2f} |")  # fmt: skip
     for r in scale:
         fits = r["error"] if r["local_s"] is None else (
-            f"{r['local_s']:.3f} s/round, {r['peak_gb']:.2f} GB")  # fmt: skip
-        print(f"# {r['peers']} peers ({r['mode']}): {fits}")
+            f"{r['local_s']:.3f} s/round, {r['peak_gb']:.2f} GiB")  # fmt: skip
+        print(f"# {r['peers']} peers ({r['conv']}, {r['mode']}): {fits}")
 
 
 if __name__ == "__main__":

@@ -9,8 +9,8 @@ several layouts side by side:
   form, ``gossip_pfl.models.conv_blocks``);
 
 each in float32 and under bf16 autocast, then a profile of a step in each of the model's two
-forms, by operator. Every variant's gradients are compared with those of ``groups`` (largest
-relative difference).
+forms, by operator. Every variant's float32 gradients are compared with those of ``groups``
+and with a float64 step (the largest difference over the largest value, of any parameter).
 
     python benchmarks/bench_conv.py [--device cuda] [--peers 100] [--batch 32] [--iters 20]
     python benchmarks/bench_conv.py --device cpu --peers 4 --iters 3   # a smoke test
@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -29,8 +30,11 @@ import torch.nn.functional as F
 from gossip_pfl import models
 from gossip_pfl.models import FedEMCNN, batched_linear
 
+#: a batched forward: params {name: (L, M, *shape)}, x (L, B, C, H, W) -> logits (L, M, B, C)
+Forward = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
 
-def conv_on(devices: tuple[str, ...]):
+
+def conv_on(devices: tuple[str, ...]) -> Forward:
     """FedEMCNN.batched_forward with models.CONV_AS_PRODUCTS set to ``devices`` for the
     forward (the backward follows the graph it made)."""
 
@@ -69,7 +73,9 @@ VARIANTS = {
 }
 
 
-def step(forward, params, x, y, bf16: bool) -> list[torch.Tensor]:
+def step(
+    forward: Forward, params: dict[str, torch.Tensor], x: torch.Tensor, y: torch.Tensor, bf16: bool
+) -> list[torch.Tensor]:
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=bf16):
         logits = forward(params, x)  # (L, M, B, C)
     L, M, B, C = logits.shape
@@ -77,7 +83,13 @@ def step(forward, params, x, y, bf16: bool) -> list[torch.Tensor]:
     return list(torch.autograd.grad(loss, list(params.values())))
 
 
-def timed(fn, device: torch.device, iters: int) -> float:
+def largest_difference(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
+    """The largest over parameters of max |g - r| / max |r|."""
+    return max(float((g.double() - r.double()).abs().max() / r.abs().max().clamp_min(1e-30))
+               for g, r in zip(grads, reference))  # fmt: skip
+
+
+def timed(fn: Callable[[], object], device: torch.device, iters: int) -> float:
     for _ in range(3):
         fn()
     times = []
@@ -120,20 +132,25 @@ def main() -> None:
     print(f"# {L} peers x M = {M}, batch {B}, {device}"
           + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
           + f"; {6 * macs / 1e9:.0f} GFLOP a step")  # fmt: skip
-    print("| variant | float32 ms | bf16 ms | largest rel. diff of gradients |")
-    print("|---|---|---|---|")
+    print("| variant | float32 ms | bf16 ms | gradients against groups | against float64 |")
+    print("|---|---|---|---|---|")
     reference = step(VARIANTS["groups"], params, x, y, False)
+    # the same step in float64 (grouped; far from every float32 form where a max-pool window
+    # holds near-ties or a ReLU input is near 0, and the gradient flows elsewhere)
+    p64 = {k: v.detach().double().requires_grad_() for k, v in params.items()}
+    exact = step(VARIANTS["groups"], p64, x.double(), y, False)
+    del p64
     for name, forward in VARIANTS.items():
         try:
             grads = step(forward, params, x, y, False)
-            diff = max(float((g - r).abs().max() / r.abs().max().clamp_min(1e-30))
-                       for g, r in zip(grads, reference))  # fmt: skip
+            diffs = [largest_difference(grads, r) for r in (reference, exact)]
             del grads
             ms = [1e3 * timed(partial(step, forward, params, x, y, bf16), device, args.iters)
                   for bf16 in (False, True)]  # fmt: skip
-            print(f"| {name} | {ms[0]:.2f} | {ms[1]:.2f} | {diff:.1e} |", flush=True)
+            print(f"| {name} | {ms[0]:.2f} | {ms[1]:.2f} | {diffs[0]:.1e} | {diffs[1]:.1e} |",
+                  flush=True)  # fmt: skip
         except torch.cuda.OutOfMemoryError:
-            print(f"| {name} | out of memory | | |", flush=True)
+            print(f"| {name} | out of memory | | | |", flush=True)
         if device.type == "cuda":
             torch.cuda.empty_cache()
 

@@ -9,7 +9,7 @@
 #   benchmarks/gpu_kit.sh test      # there (carry .gpu_kit): install, the test suite
 #   benchmarks/gpu_kit.sh bench     # there: synthetic 200 rounds, operations, the CNN
 #   benchmarks/gpu_kit.sh all       # there: both in one call (shorter limits; 15-minute leases)
-#   benchmarks/gpu_kit.sh cnn       # there: the CNN's two forms of convolutions, about 6 minutes
+#   benchmarks/gpu_kit.sh cnn       # there: the CNN's two forms of convolutions (3 to 6 minutes)
 #
 # `test` and `bench` each fit one 10-minute call and write their logs to $OUT (at most 8
 # files come back). Each installs first, so either may run on a fresh machine.
@@ -45,6 +45,12 @@ prepare() {
     du -sh "$KIT"
 }
 
+sources() {
+    echo "sources: $(find gossip_pfl benchmarks tests configs -type f \( -name '*.py' -o \
+        -name '*.yaml' -o -name '*.sh' \) -print0 | LC_ALL=C sort -z | xargs -0 sha1sum |
+        sha1sum | cut -c1-12)"
+}
+
 install() {
     [ -d "$KIT/wheels" ] || { echo "gpu_kit: no $KIT: run 'prepare' here and carry it" >&2; exit 2; }
     mkdir -p "$OUT" || exit 2
@@ -59,8 +65,11 @@ install() {
         nvidia-smi
         $PY -c "import torch, cvxpy, zmq; print('torch', torch.__version__, torch.cuda.get_device_name(), 'cvxpy', cvxpy.__version__, 'pyzmq', zmq.__version__)"
         git rev-parse --short HEAD 2>/dev/null || echo "commit: not a git checkout"
+        # the device's copy of the tree can carry a stale HEAD (it read 424f8af for fb043e2):
+        # `benchmarks/gpu_kit.sh sources` here prints the same hash for the same sources
+        sources
     } > "$OUT/machine.txt" 2>&1
-    tail -2 "$OUT/machine.txt"
+    tail -3 "$OUT/machine.txt"
 }
 
 # stage NAME SECONDS COMMAND...: COMMAND's output and exit status into $OUT/NAME.txt; the
@@ -110,6 +119,7 @@ bench() {
 
 case "${1:-}" in
     prepare) prepare ;;
+    sources) sources ;;
     test)
         install
         # the whole suite, with the GPU visible (CPU tests pin the CPU; `cuda` tests run);
@@ -128,17 +138,17 @@ case "${1:-}" in
         # the CNN's two forms of the convolutions side by side, for a short lease: the CUDA
         # tests, one step in each layout, rounds in each form and mode, the most clients
         install
-        export OMP_NUM_THREADS=1 DEV=${DEV:-cuda}
+        export OMP_NUM_THREADS=1 DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
         stage tests 60 $PY -m pytest -n 4 --maxprocesses 4 -rs -q tests/test_cuda.py
         stage conv 45 $PY benchmarks/bench_conv.py --device $DEV
         stage cnn 170 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers 400 \
             --modes float32,tf32,bf16 --conv products --no-floor --profile \
             --json "$OUT/bench_cnn.json"
-        stage cnn_groups 70 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 \
+        stage cnn_groups 100 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 \
             --modes float32,bf16 --conv groups --no-floor --json /tmp/bench_cnn_groups.json
         ;;
     *)
-        echo "usage: benchmarks/gpu_kit.sh prepare|test|bench|all|cnn" >&2
+        echo "usage: benchmarks/gpu_kit.sh prepare|test|bench|all|cnn|sources" >&2
         exit 2
         ;;
 esac

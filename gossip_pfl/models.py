@@ -63,7 +63,9 @@ class _MaxPool2x2(torch.autograd.Function):
 
 #: devices on which conv_blocks runs its convolutions as batched matrix products
 CONV_AS_PRODUCTS = ("cuda",)
-#: bytes of image patches a batched product of conv_blocks reads at most (more: in slices)
+#: bytes of image patches (or of the product, if larger) one batched product of conv_blocks
+#: makes at most; more goes in slices of groups. This bounds the no-grad calls (the E-step,
+#: evaluation); in training autograd keeps every slice's patches for the weights' gradient.
 PATCH_BYTES = 2 << 30
 
 
@@ -118,23 +120,26 @@ def _conv_blocks_by_products(params: dict[str, torch.Tensor], x: torch.Tensor) -
 
 
 def _conv_pool_relu(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """h (N, C, B, H, W), weight (N, O, C, k, k), bias (N, O) -> ReLU(2x2 max-pool(valid
-    conv)) (N, O, B, H', W'), group by group: each group's patches (C*k*k, B*H*W) times its
-    (O, C*k*k) weights, in slices of groups whose patches fit ``PATCH_BYTES``."""
+    """h (N, C, B, H, W), weight (N, O, C, k, k), bias (N, O) -> ReLU(2x2 max-pool(conv))
+    (N, O, B, H', W') for square kernels, stride 1, no padding (the CNN's and LeNet's), group
+    by group: each group's patches (C*k*k, B*Ho*Wo) times its (O, C*k*k) weights, in slices
+    of groups whose patches and products fit ``PATCH_BYTES``."""
     N, C, B, H, W = h.shape
     O, k = weight.shape[1], weight.shape[-1]
     Ho, Wo = H - k + 1, W - k + 1
-    per_group = C * k * k * B * Ho * Wo * h.element_size()
-    rows = max(1, PATCH_BYTES // max(per_group, 1))
+    if h.dtype == torch.float32 and torch.is_autocast_enabled(h.device.type):
+        h = h.to(torch.get_autocast_dtype(h.device.type))  # as baddbmm would: copy the patches once
+    per_group = max(C * k * k, O) * B * Ho * Wo * h.element_size()
+    per_slice = max(1, PATCH_BYTES // max(per_group, 1))  # groups
     outs = []
-    for i in range(0, N, rows):
-        part = h[i : i + rows]
+    for i in range(0, N, per_slice):
+        part = h[i : i + per_slice]
         n = part.shape[0]
         # every k x k window as a view, then one copy in the product's layout
         patches = part.unfold(3, k, 1).unfold(4, k, 1)  # (n, C, B, Ho, Wo, k, k)
         patches = patches.permute(0, 1, 5, 6, 2, 3, 4).reshape(n, C * k * k, B * Ho * Wo)
-        w = weight[i : i + rows].reshape(n, O, C * k * k)
-        out = torch.baddbmm(bias[i : i + rows].unsqueeze(-1), w, patches)
+        w = weight[i : i + per_slice].reshape(n, O, C * k * k)
+        out = torch.baddbmm(bias[i : i + per_slice].unsqueeze(-1), w, patches)
         out = torch.max_pool2d(out.view(n * O, B, Ho, Wo), 2)
         outs.append(torch.relu_(out).view(n, O, B, Ho // 2, Wo // 2))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

@@ -385,33 +385,61 @@ def test_native_batched_layers_equal_the_plain_model(name, shape, options):
     "name, shape, options",
     [
         ("cnn", (1, 28, 28), {"channels": [3, 4], "hidden": 6}),
-        ("cnn", (3, 32, 32), {"channels": [2, 5], "hidden": 4}),
-        ("lenet", (1, 28, 28), {}),
+        ("cnn", (2, 30, 27), {"channels": [2, 5], "hidden": 4}),  # odd sizes: the pools floor
+        ("lenet", (1, 16, 21), {}),
     ],
 )
-@pytest.mark.parametrize("patch_bytes", [2 << 30, 1], ids=["one-product", "per-group"])
-def test_convolutions_as_products_equal_the_plain_model(
-    monkeypatch, name, shape, options, patch_bytes
-):
+@pytest.mark.parametrize("slices", ["one-product", "per-group", "uneven"])
+def test_convolutions_as_products_equal_the_plain_model(monkeypatch, name, shape, options, slices):
     """The GPU's form of the convolutions (batched products over image patches, in slices of
-    groups when the patches pass PATCH_BYTES), run here on the CPU, gives the per-(peer,
-    component) nn.Module's outputs and gradients."""
+    groups past PATCH_BYTES: one, one group each, or 4 + 2 of the second conv's 6 groups), run
+    here on the CPU, gives the per-(peer, component) nn.Module's outputs and gradients."""
     from gossip_pfl import models
 
+    # the helper's 3 peers x 2 components x 5 samples, float64: the second conv's patches
+    model = models.build_model(name, shape, 4, **options)
+    c1, c2 = model.conv2.in_channels, model.conv2.out_channels
+    h, w = ((shape[1] - 4) // 2 - 4, (shape[2] - 4) // 2 - 4)
+    group = max(c1 * 25, c2) * 5 * h * w * 8
+    patch_bytes = {"one-product": 2 << 30, "per-group": 1, "uneven": 4 * group}[slices]
     monkeypatch.setattr(models, "CONV_AS_PRODUCTS", ("cpu",))
     monkeypatch.setattr(models, "PATCH_BYTES", patch_bytes)
-    calls = []
-    by_products = models._conv_blocks_by_products
+    products = []
+    conv_pool_relu = models._conv_pool_relu
     monkeypatch.setattr(
-        models, "_conv_blocks_by_products", lambda *a: calls.append(1) or by_products(*a)
+        models, "_conv_pool_relu", lambda *a: products.append(len(a[0])) or conv_pool_relu(*a)
     )
     _batched_layers_equal_the_loop(name, shape, options)
-    assert calls  # the products ran
+    assert products[:2] == [3, 6]  # the products ran: 3 peers, then 6 (peer, component)s
+
+
+def test_convolutions_as_products_under_bf16_autocast(monkeypatch):
+    """Under bf16 autocast the products (which copy the patches in bf16) and the grouped
+    convolutions give the same logits and gradients up to bf16 rounding."""
+    from gossip_pfl import models
+
+    torch.manual_seed(0)
+    model = models.build_model("cnn", (1, 28, 28), 4, channels=[3, 4], hidden=6)
+    layout = ParamLayout(model)
+    theta = 0.3 * torch.randn(3, 2, layout.numel)
+    x = torch.randn(3, 5, 1, 28, 28)
+    outs = {}
+    for devices in ((), ("cpu",)):
+        monkeypatch.setattr(models, "CONV_AS_PRODUCTS", devices)
+        t = theta.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = BatchedForward(model, layout, "auto")(t, x)
+        outs[devices] = (out.float(), torch.autograd.grad(out.float().sum(), t)[0])
+    (out_g, grad_g), (out_p, grad_p) = outs.values()
+    assert out_p.dtype == torch.float32 and out_g.abs().max() > 0.1
+    torch.testing.assert_close(out_p, out_g, rtol=0.05, atol=0.05 * out_g.abs().max().item())
+    torch.testing.assert_close(grad_p, grad_g, rtol=0.05, atol=0.05 * grad_g.abs().max().item())
 
 
 def _batched_layers_equal_the_loop(name: str, shape: tuple, options: dict) -> None:
     from gossip_pfl.models import build_model
 
+    torch.manual_seed(0)
     model = build_model(name, shape, 4, **options)
     layout = ParamLayout(model)
     assert getattr(model, "batched_forward", None) is not None
