@@ -5,7 +5,7 @@ images with the same batch size; float32, TF32 and bf16; peak memory; and, with
 ``--max-peers``, the most peers one device holds.
 
     python benchmarks/bench_cnn.py [--device cuda] [--rounds 3] [--modes float32,tf32,bf16]
-        [--max-peers 3200] [--profile] [--json runs/bench_cnn.json]
+        [--max-peers 3200 [--bisect 2]] [--profile] [--json runs/bench_cnn.json]
     # a smoke test on a CPU (narrow model, 5% of the images, 10 clients):
     python benchmarks/bench_cnn.py --device cpu --fraction 0.05 --peers 10 \
         --channels 8,16 --hidden 64
@@ -25,6 +25,7 @@ resident memory on a CPU. Needs the Fashion-MNIST files (docs/data.md).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import resource
 import statistics
@@ -184,26 +185,45 @@ def floor_epoch(args, trainer: Trainer, mode: str) -> float:
 
 def most_peers(args, mode: str) -> list[dict]:
     """FedEM rounds for twice as many peers each time, up to ``--max-peers`` or the first that
-    does not fit the device's memory."""
-    rows, peers = [], args.peers * 2
+    does not fit the device's memory; then ``--bisect`` more halfway between the most peers
+    that fit and the fewest that did not."""
+    rows, fit, over, peers = [], args.peers, None, args.peers * 2
     while peers <= args.max_peers:
-        try:
-            row = fedem_round(args, peers, mode)[0]  # the trainer is freed here
-        except torch.cuda.OutOfMemoryError:
-            rows.append({"peers": peers, "mode": mode, "local_s": None, "peak_gb": None,
-                         "error": "out of memory"})  # fmt: skip
+        rows.append(peers_row(args, peers, mode))
+        if rows[-1]["local_s"] is None:
+            over = peers if rows[-1]["error"] == "out of memory" else None
             break
-        except GossipError as err:  # the data cannot make that many clients: no more rows
-            rows.append({"peers": peers, "mode": mode, "local_s": None, "peak_gb": None,
-                         "error": str(err)})  # fmt: skip
+        fit, peers = peers, peers * 2
+    for _ in range(args.bisect if over else 0):
+        peers = (fit + over) // 2
+        if peers == fit:
             break
-        finally:
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-        rows.append(row)
-        print(f"# {json.dumps(row)}", flush=True)
-        peers *= 2
+        rows.append(peers_row(args, peers, mode))
+        if rows[-1]["local_s"] is not None:
+            fit = peers
+        elif rows[-1]["error"] == "out of memory":
+            over = peers
+        else:
+            break
     return rows
+
+
+def peers_row(args, peers: int, mode: str) -> dict:
+    """:func:`fedem_round`'s row for ``peers``, or a row naming why it could not run."""
+    try:
+        row = fedem_round(args, peers, mode)[0]  # the trainer is freed here
+    except torch.cuda.OutOfMemoryError:
+        row = {"peers": peers, "mode": mode, "local_s": None, "peak_gb": None,
+               "error": "out of memory"}  # fmt: skip
+    except GossipError as err:  # the data cannot make that many clients
+        row = {"peers": peers, "mode": mode, "local_s": None, "peak_gb": None,
+               "error": str(err)}  # fmt: skip
+    finally:
+        gc.collect()  # the failed round's tensors, before the next one allocates
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print(f"# {json.dumps(row)}", flush=True)
+    return row
 
 
 def main() -> None:
@@ -217,6 +237,9 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048, help="the CNN's dense width")
     ap.add_argument("--max-peers", type=int, default=0,
                     help="double the peers up to this many (first mode only); 0: skip")  # fmt: skip
+    ap.add_argument("--bisect", type=int, default=0,
+                    help="after a peer count runs out of memory, this many more halfway "
+                    "between it and the last that fit")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
                     help="profile the first round timed (the first --conv form and mode): "
                     "operations, then phases")  # fmt: skip

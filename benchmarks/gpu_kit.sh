@@ -141,8 +141,8 @@ case "${1:-}" in
         export OMP_NUM_THREADS=1 DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
         stage tests 60 $PY -m pytest -n 4 --maxprocesses 4 -rs -q tests/test_cuda.py
         stage conv 45 $PY benchmarks/bench_conv.py --device $DEV
-        stage cnn 170 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers 400 \
-            --modes float32,tf32,bf16 --conv products --no-floor --profile \
+        stage cnn 170 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers 800 \
+            --bisect 2 --modes float32,tf32,bf16 --conv products --no-floor --profile \
             --json "$OUT/bench_cnn.json"
         stage cnn_groups 100 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 \
             --modes float32,bf16 --conv groups --no-floor --json /tmp/bench_cnn_groups.json
