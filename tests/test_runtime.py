@@ -431,7 +431,7 @@ def test_convolutions_as_products_under_bf16_autocast(monkeypatch):
             out = BatchedForward(model, layout, "auto")(t, x)
         outs[devices] = (out.float(), torch.autograd.grad(out.float().sum(), t)[0])
     (out_g, grad_g), (out_p, grad_p) = outs.values()
-    assert out_p.dtype == torch.float32 and out_g.abs().max() > 0.1
+    assert out_g.abs().max() > 0.1  # logits far from 0: the tolerances below mean something
     torch.testing.assert_close(out_p, out_g, rtol=0.05, atol=0.05 * out_g.abs().max().item())
     torch.testing.assert_close(grad_p, grad_g, rtol=0.05, atol=0.05 * grad_g.abs().max().item())
 
