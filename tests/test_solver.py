@@ -96,3 +96,57 @@ def test_steps_equal_torch_optim_sgd_per_peer():
             opts[i].step()
     want = torch.stack([p.detach() for p in params])
     torch.testing.assert_close(theta, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("where", ["every peer", "indexed"])
+def test_compiled_step_gives_the_eager_steps_bits(monkeypatch, where):
+    """A large step (here every step: COMPILED_STEP_MIN 0) runs as one compiled function on a
+    CPU, and gives the eager step's bits: parameters, momentum and step sizes, three steps."""
+    from gossip_pfl.runtime import solver as module
+
+    solver = SOLVERS["momentum and decay"]
+    rows = ROWS[where] if where == "every peer" else torch.tensor(ROWS[where])
+    a = L if where == "every peer" else len(rows)
+    theta, _, _ = draw(0, a)
+    scale = torch.rand(L, generator=torch.Generator().manual_seed(2)) + 0.5
+    runs = []
+    for minimum in (None, 0):  # eager, then compiled
+        monkeypatch.setattr(module, "_compiled_sgd", None)
+        if minimum is not None:
+            monkeypatch.setattr(module, "COMPILED_STEP_MIN", minimum)
+        th = theta.clone()
+        state = solver.init(th)
+        for k in range(3):
+            grad = torch.randn(a, M, P, generator=torch.Generator().manual_seed(10 + k))
+            solver.step(th, grad, state, rows, scale, 0.1)
+        runs.append((th, state.momentum, state.eta, module._compiled_sgd))
+    (theta_e, mom_e, eta_e, none), (theta_c, mom_c, eta_c, compiled) = runs
+    assert none is None and callable(compiled)  # the eager run did not compile; the other did
+    assert torch.equal(theta_c, theta_e) and not torch.equal(theta_c, theta)
+    assert torch.equal(mom_c, mom_e)
+    assert torch.equal(eta_c, eta_e)
+
+
+def test_a_failing_compiler_falls_back_to_the_eager_step(monkeypatch):
+    """Where torch.compile cannot build the step (no C++ compiler), the step warns once and
+    runs eagerly, with the same bits."""
+    from gossip_pfl.runtime import solver as module
+
+    def broken(fn, **_):
+        def call(*args):
+            raise RuntimeError("no C++ compiler found")
+
+        return call
+
+    monkeypatch.setattr(module, "_compiled_sgd", None)
+    monkeypatch.setattr(module, "COMPILED_STEP_MIN", 0)
+    monkeypatch.setattr(torch, "compile", broken)
+    solver, rows = SOLVERS["momentum and decay"], torch.tensor([0, 2, 3])
+    theta, grad, _ = draw(0, 3)
+    scale = torch.ones(L)
+    want = definition(solver, theta, grad, torch.zeros_like(theta), rows, scale, 1.0, None, None)
+    state = solver.init(theta)
+    with pytest.warns(UserWarning, match="compiled step failed.*no C\\+\\+ compiler"):
+        solver.step(theta, grad, state, rows, scale)
+    assert module._compiled_sgd is False
+    assert torch.equal(theta, want[0]) and torch.equal(state.momentum, want[1])

@@ -1,0 +1,127 @@
+"""The local solver's step at the full FedEM CNN's size, for a GPU machine: momentum SGD with
+weight decay and each peer's step size (``gossip_pfl.runtime.solver.LocalSGD.step``) on 100
+peers x M = 3 x 2.17 million parameters, for a step holding every peer (a slice: views updated
+in place) and one holding half of them (indexed: gathered, stepped, copied back), against the
+same formula as one function under ``torch.compile`` (fused kernels: about the 5 passes over the
+rows that the formula needs, against the eager step's 15, or 23 indexed).
+
+On an H100 the eager steps took about 300 of a FedEM round's 884 GPU milliseconds, and the
+gathers and write-backs about 150 more (docs/benchmarks.md). The eager step keeps each term
+its own kernel so that a CPU gives the same bits on every placement; a fused kernel rounds
+differently (a fused multiply-add), so this prints the largest difference too.
+
+    python benchmarks/bench_solver.py [--device cuda] [--params 2170000] [--iters 20]
+    python benchmarks/bench_solver.py --device cpu --params 20000 --iters 3   # a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+from gossip_pfl.runtime.solver import LocalSGD
+
+LR, MOMENTUM, DECAY = 0.2, 0.9, 5e-4
+
+
+def fused_step(
+    theta: torch.Tensor,
+    grad: torch.Tensor,
+    momentum: torch.Tensor,
+    rows: torch.Tensor | slice,
+    lr: torch.Tensor,
+) -> None:
+    """LocalSGD.step's formula (dampening 0) on the peers ``rows`` (indices, or a slice whose
+    views are updated in place), written for a compiler to fuse: ``lr`` (L,) is each peer's
+    step size."""
+    if isinstance(rows, slice):
+        p, m = theta[rows], momentum[rows]
+        m.copy_(m * MOMENTUM + (grad + DECAY * p))
+        p.copy_(p - lr[rows][:, None, None] * m)
+        return
+    p = theta.index_select(0, rows)
+    m = momentum.index_select(0, rows) * MOMENTUM + (grad + DECAY * p)
+    momentum.index_copy_(0, rows, m)
+    theta.index_copy_(0, rows, p - lr.index_select(0, rows)[:, None, None] * m)
+
+
+def timed(fn: Callable[[], None], device: torch.device, iters: int) -> float:
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(3):  # warm-up: the compiler's first calls
+        fn()
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--peers", type=int, default=100)
+    ap.add_argument("--components", type=int, default=3)
+    ap.add_argument("--params", type=int, default=2_170_000, help="a component's parameters")
+    ap.add_argument("--iters", type=int, default=20)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    L, M, P = args.peers, args.components, args.params
+    gen = torch.Generator(device=device).manual_seed(0)
+    theta = torch.randn(L, M, P, device=device, generator=gen)
+    lr_scale = torch.rand(L, device=device, generator=gen)
+    solver = LocalSGD(LR, momentum=MOMENTUM, weight_decay=DECAY)
+    compiled = torch.compile(fused_step, dynamic=True)
+    gpu = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
+    print(f"# {L} peers x M = {M} x {P:,} parameters, {device}{gpu}")
+    print("| step | peers | eager ms | compiled ms | compiled / eager | GB/s at 5 passes "
+          "(compiled) | largest difference |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
+    for name, A in (("slice", L), ("indexed", L // 2)):
+        eager_s, comp_s, diff = compare(solver, compiled, theta, lr_scale, A, gen, args.iters)
+        gbps = 5 * A * M * P * theta.element_size() / comp_s / 1e9
+        print(f"| {name} | {A} | {1e3 * eager_s:.2f} | {1e3 * comp_s:.2f} | "
+              f"{comp_s / eager_s:.2f} | {gbps:.0f} | {diff:.1e} |", flush=True)  # fmt: skip
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def compare(
+    solver: LocalSGD,
+    compiled: Callable[..., None],
+    theta: torch.Tensor,
+    lr_scale: torch.Tensor,
+    A: int,
+    gen: torch.Generator,
+    iters: int,
+) -> tuple[float, float, float]:
+    """Seconds of the eager and compiled steps on A of theta's peers (every other one; all of
+    them as a slice), and the largest difference after one step of each from the same state."""
+    L, device = theta.shape[0], theta.device
+    index = torch.arange(0, L, L // A, device=device)[:A]
+    rows = index if A < L else slice(None)
+    grad = torch.randn(A, *theta.shape[1:], device=device, generator=gen)
+    state = solver.init(theta)
+    state.momentum.normal_(generator=gen).mul_(0.1)
+    momentum, th_e, th_c = state.momentum.clone(), theta.clone(), theta.clone()
+    lr = (LR * lr_scale).float()
+    solver.step(th_e, grad, state, rows, lr_scale)
+    compiled(th_c, grad, momentum, rows, lr)
+    diff = float((th_e - th_c).abs().max() / th_e.abs().max())
+    eager_s = timed(partial(solver.step, th_e, grad, state, rows, lr_scale), device, iters)
+    comp_s = timed(partial(compiled, th_c, grad, momentum, rows, lr), device, iters)
+    return eager_s, comp_s, diff
+
+
+if __name__ == "__main__":
+    main()
