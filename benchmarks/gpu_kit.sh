@@ -9,7 +9,7 @@
 #   benchmarks/gpu_kit.sh test      # there (carry .gpu_kit): install, the test suite
 #   benchmarks/gpu_kit.sh bench     # there: synthetic 200 rounds, operations, the CNN
 #   benchmarks/gpu_kit.sh all       # there: both in one call (shorter limits; 15-minute leases)
-#   benchmarks/gpu_kit.sh cnn       # there: the CNN's two forms of convolutions (3 to 6 minutes)
+#   benchmarks/gpu_kit.sh cnn       # there: the CNN's two forms of convolutions (3 to 7 minutes)
 #
 # `test` and `bench` each fit one 10-minute call and write their logs to $OUT (at most 8
 # files come back). Each installs first, so either may run on a fresh machine.
@@ -136,11 +136,13 @@ case "${1:-}" in
         ;;
     cnn)
         # the CNN's two forms of the convolutions side by side, for a short lease: the CUDA
-        # tests, one step in each layout, rounds in each form and mode, the most clients
+        # tests, one step in each layout, the solver's step eager and compiled, rounds in each
+        # form and mode, the most clients
         install
         export OMP_NUM_THREADS=1 DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
         stage tests 60 $PY -m pytest -n 4 --maxprocesses 4 -rs -q tests/test_cuda.py
         stage conv 45 $PY benchmarks/bench_conv.py --device $DEV
+        stage solver 60 $PY benchmarks/bench_solver.py --device $DEV
         stage cnn 170 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers 800 \
             --bisect 2 --modes float32,tf32,bf16 --conv products --no-floor --profile \
             --json "$OUT/bench_cnn.json"

@@ -9,18 +9,10 @@ step size each peer took last (``state.eta``): FedLi's clients send it.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-
-#: devices on which a large step (momentum and weight decay, no proximal term or correction)
-#: runs as one compiled function: one pass over the rows instead of an operation per term
-COMPILED_STEP_DEVICES: tuple[str, ...] = ("cpu",)
-#: the fewest values (peers x M x P) a step holds before it is compiled: below it the eager
-#: step is quick, and the first compile (3 to 11 s on a 2-core CPU) would not pay
-COMPILED_STEP_MIN = 1 << 24
 
 
 @dataclass
@@ -99,13 +91,6 @@ class LocalSGD:
         back once. With a CNN's millions of parameters a peer the step is memory traffic:
         about 15 passes over the rows' parameters with weight decay and momentum (23 for
         indexed rows), where a copy per index and an operation per term took 19 (27)."""
-        if (
-            anchor is None
-            and correction is None
-            and self._compiled(theta, grad, state, rows, lr_scale, lr_factor)
-        ):
-            state.eta[rows] = (self.lr * lr_factor) * lr_scale[rows].double()
-            return
         full = isinstance(rows, slice)
         take = (lambda t: t[rows]) if full else (lambda t: t.index_select(0, rows))
         p = take(theta)
@@ -123,67 +108,6 @@ class LocalSGD:
         if not full:
             theta.index_copy_(0, rows, p)
         state.eta[rows] = (self.lr * lr_factor) * lr_scale[rows].double()
-
-    def _compiled(self, theta, grad, state, rows, lr_scale, lr_factor) -> bool:
-        """The step by :func:`_sgd_rows` under torch.compile, where it pays (a large step on
-        one of ``COMPILED_STEP_DEVICES``, every peer or indexed ones); False where it does not
-        apply or the compiler failed (then the eager step, from then on)."""
-        global _compiled_sgd
-        every = rows == slice(None) if isinstance(rows, slice) else False
-        if (
-            _compiled_sgd is False
-            or type(self) is not LocalSGD
-            or theta.device.type not in COMPILED_STEP_DEVICES
-            or grad.numel() < COMPILED_STEP_MIN
-            or (isinstance(rows, slice) and not every)
-        ):
-            return False
-        if _compiled_sgd is None:
-            _compiled_sgd = torch.compile(_sgd_rows, dynamic=True)
-        step = (self.lr * lr_factor) * lr_scale[rows]
-        momentum = state.momentum if self.momentum else None
-        try:
-            _compiled_sgd(theta, grad, momentum, None if every else rows, step, self.momentum,
-                          self.weight_decay)  # fmt: skip
-        except Exception as err:  # e.g. no C++ compiler: raised before anything is written
-            _compiled_sgd = False
-            warnings.warn(f"the solver's compiled step failed, eager steps from now on: {err}",
-                          stacklevel=3)  # fmt: skip
-            return False
-        return True
-
-
-#: the compiled :func:`_sgd_rows` (None: not yet; False: the compiler failed here)
-_compiled_sgd = None
-
-
-def _sgd_rows(
-    theta: torch.Tensor,
-    grad: torch.Tensor,
-    momentum: torch.Tensor | None,
-    rows: torch.Tensor | None,
-    step: torch.Tensor,
-    mu: float,
-    decay: float,
-) -> None:
-    """:meth:`LocalSGD.step` with momentum ``mu`` and weight decay ``decay`` on the peers
-    ``rows`` (None: every peer), ``step`` (A,) each one's step size, written for torch.compile
-    to fuse into one pass. Each term in the eager step's order: on a CPU inductor compiles
-    without fused multiply-adds (-ffp-contract=off), so the bits are the eager step's
-    (tests/test_solver.py)."""
-    p = theta if rows is None else theta.index_select(0, rows)
-    d = p * decay + grad if decay else grad
-    if momentum is not None:
-        d = (momentum if rows is None else momentum.index_select(0, rows)) * mu + d
-        if rows is None:
-            momentum.copy_(d)
-        else:
-            momentum.index_copy_(0, rows, d)
-    new = p - d * step[:, None, None]
-    if rows is None:
-        theta.copy_(new)
-    else:
-        theta.index_copy_(0, rows, new)
 
 
 @dataclass(frozen=True)
