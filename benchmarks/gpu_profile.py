@@ -158,7 +158,7 @@ def uploads(tr: Trainer) -> None:
     idx, weight = round_batches(tr.counts, tr.train_ids[tr.peers], tr.cfg.seed, 0,
                                 tr.cfg.algorithm.batch_size)  # fmt: skip
     host = linear_host(tr.train, tr.cfg.algorithm.batch_size, idx, weight, dense=True)
-    arrays = [np.stack([host.wt, -host.y]), np.concatenate([host.r_all, host.ix.ravel()])]
+    arrays = [host.floats, host.ints]
     device = tr.device
     total = sum(a.nbytes for a in arrays)
     staging = torch.empty(total, dtype=torch.uint8, pin_memory=True)

@@ -309,15 +309,25 @@ class LinearRound:
 @dataclass
 class LinearHost:
     """The host side of a :class:`LinearRound`, a pure function of the round's minibatch
-    plan (so the planner draws it ahead, :class:`BatchPlanner`): per step the peers still in
-    their epoch (``sizes``: how many), and over all steps their rows ``r_all``, sample
-    indices ``ix`` (sum A, B), sample weights / B ``wt`` and labels ``y``."""
+    plan (so the planner draws it ahead, :class:`BatchPlanner`, off the main thread): per step
+    the peers still in their epoch (``sizes``: how many), and the round's two uploads, laid out
+    as :func:`linear_uploads` sends them. ``floats`` (2, sum A, B): the sample weights / B
+    (:func:`linear_uploads` scales them by each peer's -step in place), then -y; ``ints``
+    (sum A + sum A * B): the steps' rows, then their sample indices."""
 
     sizes: list
-    r_all: np.ndarray
-    ix: np.ndarray
-    wt: np.ndarray
-    y: np.ndarray
+    floats: np.ndarray
+    ints: np.ndarray
+
+    @property
+    def r_all(self) -> np.ndarray:
+        """(sum A,) each step's peers, step after step."""
+        return self.ints[: self.floats.shape[1]]
+
+    @property
+    def ix(self) -> np.ndarray:
+        """(sum A, B) their samples' indices."""
+        return self.ints[self.floats.shape[1] :].reshape(self.floats.shape[1:])
 
 
 #: most samples a round's dense steps hold (:func:`linear_host`): past it (thousands of
@@ -342,14 +352,20 @@ def linear_host(
     steps = [s for s in range(idx.shape[0]) if filled[s].any()]
     dense = dense and L * len(steps) * idx.shape[-1] <= DENSE_SAMPLES
     rows = [(s, every if dense else np.flatnonzero(filled[s] > 0)) for s in steps]
+    B = idx.shape[-1]
+    A = sum(len(r) for _, r in rows)
+    host = LinearHost([len(r) for _, r in rows], np.empty((2, A, B), np.float32),
+                      np.empty(A + A * B, np.int64))  # fmt: skip
     if not rows:
-        empty = np.zeros((0, idx.shape[-1]), dtype=np.int64)
-        return LinearHost([], np.zeros(0, dtype=np.int64), empty, empty, empty)
-    r_all = np.concatenate([r for _, r in rows])
-    ix = np.concatenate([idx[s, r] for s, r in rows])  # (sum A, B)
-    wt = np.concatenate([weight[s, r] for s, r in rows]) * np.float32(1.0 / batch_size)
-    y = split.host_y[r_all[:, None], ix].astype(np.float32)
-    return LinearHost([len(r) for _, r in rows], r_all, ix, wt, y)
+        return host
+    r_all, ix, floats = host.r_all, host.ix, host.floats
+    np.concatenate([r for _, r in rows], out=r_all)
+    np.concatenate([idx[s, r] for s, r in rows], out=ix)
+    np.concatenate([weight[s, r] for s, r in rows], out=floats[0])
+    floats[0] *= np.float32(1.0 / batch_size)
+    floats[1] = split.host_y[r_all[:, None], ix]
+    np.negative(floats[1], out=floats[1])
+    return host
 
 
 def dense_layout(device: torch.device) -> bool:
@@ -366,15 +382,14 @@ def linear_uploads(
     GPU a copy from pageable memory waits for the queued kernels), the floats (2, sum A, B)
     -step * weight / B and -y, and the indices (sum A + sum A * B) rows then sample indices;
     :func:`linear_plan` works out the rest on the device. ``neg_step`` (L,) float32 is each
-    peer's -lr * factor * lr_scale."""
+    peer's -lr * factor * lr_scale. The planner's thread laid them out, so the round's own
+    thread only scales the weights, in place (once: a host is used for one round)."""
     if not host.sizes:
         return None
     with np.errstate(invalid="ignore", over="ignore"):  # a NaN lr: the finite check names it
-        wc = host.wt * neg_step[host.r_all][:, None]  # (sum A, B) f32
+        host.floats[0] *= neg_step[host.r_all][:, None]  # (sum A, B) f32
     dev = split.y.device
-    floats = torch.as_tensor(np.stack([wc, -host.y]), device=dev)
-    ints = torch.as_tensor(np.concatenate([host.r_all, host.ix.ravel()]), device=dev)
-    return floats, ints
+    return torch.as_tensor(host.floats, device=dev), torch.as_tensor(host.ints, device=dev)
 
 
 def linear_plan(
