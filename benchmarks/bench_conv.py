@@ -90,6 +90,8 @@ def largest_difference(grads: list[torch.Tensor], reference: list[torch.Tensor])
 
 
 def timed(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    """The median seconds of ``iters`` calls of ``fn`` after three warm-up calls, the device
+    synchronised around each."""
     for _ in range(3):
         fn()
     times = []

@@ -25,12 +25,11 @@ step; a GPU, where the step is a third of the round, is still to measure.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from functools import partial
 
 import torch
+from bench_conv import timed  # three warm-up calls (the compiler's first), then the median
 
 from gossip_pfl.runtime.solver import LocalSGD
 
@@ -56,23 +55,6 @@ def fused_step(
     m = momentum.index_select(0, rows) * MOMENTUM + (grad + DECAY * p)
     momentum.index_copy_(0, rows, m)
     theta.index_copy_(0, rows, p - lr.index_select(0, rows)[:, None, None] * m)
-
-
-def timed(fn: Callable[[], None], device: torch.device, iters: int) -> float:
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    for _ in range(3):  # warm-up: the compiler's first calls
-        fn()
-    times = []
-    for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main() -> None:
