@@ -318,6 +318,7 @@ class LinearHost:
     sizes: list
     floats: np.ndarray
     ints: np.ndarray
+    scaled: bool = False  # floats[0] holds -step * weight / B (linear_uploads did it)
 
     @property
     def r_all(self) -> np.ndarray:
@@ -386,8 +387,11 @@ def linear_uploads(
     thread only scales the weights, in place (once: a host is used for one round)."""
     if not host.sizes:
         return None
+    if host.scaled:  # a second scaling would square the step
+        raise RuntimeError("linear_uploads: this round's plan was already uploaded")
     with np.errstate(invalid="ignore", over="ignore"):  # a NaN lr: the finite check names it
         host.floats[0] *= neg_step[host.r_all][:, None]  # (sum A, B) f32
+    host.scaled = True
     dev = split.y.device
     return torch.as_tensor(host.floats, device=dev), torch.as_tensor(host.ints, device=dev)
 
