@@ -687,3 +687,37 @@ def test_parameter_leaves_give_the_flat_leaf_gradient(name, shape, options, batc
         assert grad.shape == theta.shape
         assert torch.equal(grad, torch.cat(want))
         assert torch.equal(loss, torch.cat(want_loss))
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_linear_uploads_hold_the_plan_written_out(dense):
+    """The fused linear round's two uploads (laid out on the planner's thread, the weights
+    scaled on the round's) against the plan written out sample by sample: each step's rows,
+    their sample indices, -step * weight / B and -y. A second upload of the same plan is
+    refused (the weights are scaled in place)."""
+    from gossip_pfl.runtime.data import PaddedSplit, linear_host, linear_uploads, round_batches
+
+    rng = np.random.default_rng(0)
+    counts, B = [3, 9, 1, 6], 4
+    xs, ys = [rng.normal(size=(n, 2)) for n in counts], [rng.integers(0, 2, n) for n in counts]
+    split = PaddedSplit.build(xs, ys, torch.device("cpu"))
+    idx, weight = round_batches(np.array(counts), np.arange(4), 0, 0, B)
+    neg_step = np.array([-0.1, -0.2, -0.3, -0.4], np.float32)
+    host = linear_host(split, B, idx, weight, dense=dense)
+    floats, ints = linear_uploads(host, split, neg_step)
+    want_rows, want_ix, want_w, want_y = [], [], [], []
+    for s in range(idx.shape[0]):
+        for peer in range(4):
+            if weight[s].sum() > 0 and (dense or weight[s, peer].sum() > 0):
+                want_rows.append(peer)
+                want_ix.append(idx[s, peer])
+                want_w.append(weight[s, peer] * np.float32(1 / B) * neg_step[peer])
+                want_y.append(-split.host_y[peer, idx[s, peer]].astype(np.float32))
+    A = len(want_rows)
+    assert sum(host.sizes) == A and floats.shape == (2, A, B)
+    assert np.array_equal(ints[:A].numpy(), want_rows)
+    assert np.array_equal(ints[A:].numpy().reshape(A, B), np.array(want_ix))
+    assert np.array_equal(floats[0].numpy(), np.array(want_w))
+    assert np.array_equal(floats[1].numpy(), np.array(want_y))
+    with pytest.raises(RuntimeError, match="already uploaded"):
+        linear_uploads(host, split, neg_step)
