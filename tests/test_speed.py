@@ -698,9 +698,12 @@ def test_linear_uploads_hold_the_plan_written_out(dense):
     from gossip_pfl.runtime.data import PaddedSplit, linear_host, linear_uploads, round_batches
 
     rng = np.random.default_rng(0)
-    counts, B = [3, 9, 1, 6], 4
+    counts, B = [3, 9, 1, 6], 3  # 1 / 3 is no power of two: the rounding's order shows
     xs, ys = [rng.normal(size=(n, 2)) for n in counts], [rng.integers(0, 2, n) for n in counts]
     split = PaddedSplit.build(xs, ys, torch.device("cpu"))
+    labels = np.zeros((4, max(counts)), np.float32)  # padded, from the clients' own labels
+    for peer, y in enumerate(ys):
+        labels[peer, : len(y)] = y
     idx, weight = round_batches(np.array(counts), np.arange(4), 0, 0, B)
     neg_step = np.array([-0.1, -0.2, -0.3, -0.4], np.float32)
     host = linear_host(split, B, idx, weight, dense=dense)
@@ -712,7 +715,7 @@ def test_linear_uploads_hold_the_plan_written_out(dense):
                 want_rows.append(peer)
                 want_ix.append(idx[s, peer])
                 want_w.append(weight[s, peer] * np.float32(1 / B) * neg_step[peer])
-                want_y.append(-split.host_y[peer, idx[s, peer]].astype(np.float32))
+                want_y.append(-labels[peer, idx[s, peer]])
     A = len(want_rows)
     assert sum(host.sizes) == A and floats.shape == (2, A, B)
     assert np.array_equal(ints[:A].numpy(), want_rows)

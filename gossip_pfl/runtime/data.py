@@ -389,9 +389,9 @@ def linear_uploads(
         return None
     if host.scaled:  # a second scaling would square the step
         raise RuntimeError("linear_uploads: this round's plan was already uploaded")
+    host.scaled = True  # before the scaling: one that fails half-way is not retried
     with np.errstate(invalid="ignore", over="ignore"):  # a NaN lr: the finite check names it
         host.floats[0] *= neg_step[host.r_all][:, None]  # (sum A, B) f32
-    host.scaled = True
     dev = split.y.device
     return torch.as_tensor(host.floats, device=dev), torch.as_tensor(host.ints, device=dev)
 
