@@ -260,9 +260,11 @@ def main() -> None:
     if args.device == "cpu":
         modes = [m for m in modes if m != "tf32"]  # TF32 is a CUDA setting
 
-    rows, own = [], models.CONV_AS_PRODUCTS
+    own = models.CONV_AS_PRODUCTS
+    devices = {c: own if CONV_FORMS[c] is None else CONV_FORMS[c] for c in convs}
+    rows = []
     for conv in convs:
-        models.CONV_AS_PRODUCTS = own if CONV_FORMS[conv] is None else CONV_FORMS[conv]
+        models.CONV_AS_PRODUCTS = devices[conv]
         for mode in modes:
             row, trainer = fedem_round(args, args.peers, mode)
             row["conv"] = conv
@@ -275,7 +277,7 @@ def main() -> None:
             del trainer
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    models.CONV_AS_PRODUCTS = own if CONV_FORMS[convs[0]] is None else CONV_FORMS[convs[0]]
+    models.CONV_AS_PRODUCTS = devices[convs[0]]
     scale = most_peers(args, modes[0]) if args.max_peers else []
     for row in scale:
         row["conv"] = convs[0]

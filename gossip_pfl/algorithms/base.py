@@ -89,11 +89,11 @@ def weighted_loss_grad(ctx: Context, theta: torch.Tensor, x, y, sw, batch_size: 
     losses = []
     for sl in pieces:
         logits, leaves = fwd.for_grad(theta[sl], x[sl])
-        per = sample_loss(logits, y[sl], ctx.task)  # (A, M, B)
+        weighted = sample_loss(logits, y[sl], ctx.task) * sw[sl]  # (A, M, B)
         # a parameter the loss does not reach gets zeros (as a view of the flat leaf did)
-        parts = torch.autograd.grad((per * sw[sl]).sum() / batch_size, leaves,
+        parts = torch.autograd.grad(weighted.sum() / batch_size, leaves,
                                     materialize_grads=True)  # fmt: skip
         flat = fwd.flat_grad(parts, None if grad is None else grad[sl])
-        losses.append((per.detach() * sw[sl]).sum((1, 2)) / batch_size)
+        losses.append(weighted.detach().sum((1, 2)) / batch_size)
     loss = losses[0] if len(losses) == 1 else torch.cat(losses)
     return (flat if grad is None else grad), loss
