@@ -97,13 +97,6 @@ class RoundLoop:
             fields["consensus"] = f"{max(row['consensus_distance']):.3g}"
         return fields
 
-    def _clock(self) -> float:
-        """perf_counter once the device has finished its queued work: CUDA kernels and NCCL
-        transfers run asynchronously, and would otherwise be charged to the next phase."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     # ---- the loop -------------------------------------------------------------------------
     def run(self, resume: bool = False) -> dict:
         cfg = self.cfg
@@ -121,21 +114,21 @@ class RoundLoop:
             rundir.write(out / "metrics.jsonl", lambda p: rundir.write_rows(p, rows))
             self.log(self.describe() + (f"; resumed after round {first}" if resume else ""))
         start = time.perf_counter() - self.times.get("wall", 0.0)
+        clock = PhaseClock(self.device)
         progress = rundir.Progress(cfg.rounds, first, enabled=is_main, log=self.log)
         write_error = None
         with rundir.StopSignals() as signals:
             for t in range(first, cfg.rounds):
                 self.round = t
-                t0 = time.perf_counter()
+                t0 = clock.mark()
                 active = self.sample(t)  # who takes part
                 self.local_work(t, active)  # client update: E-step, local steps, outbox
-                t1 = self._clock()
+                t1 = clock.mark()
                 self.communicate(t, active)  # deliver; the hub's or each peer's rule
-                t2 = self._clock()
-                self.times["local"] += t1 - t0
-                self.times["exchange"] += t2 - t1
+                clock.add(self.times, t0, t1, clock.mark())
                 last = t == cfg.rounds - 1
                 if (t + 1) % cfg.eval.every == 0 or last:  # log
+                    clock.settle(self.times)
                     row = self.metrics_row(t)
                     rows.append(row)
                     if is_main:
@@ -149,6 +142,7 @@ class RoundLoop:
                 stop = self._agreed(signals.received, write_error)
                 every = cfg.checkpoint_every
                 if (every and (t + 1) % every == 0) or last or stop:  # checkpoint
+                    clock.settle(self.times)
                     self.times["wall"] = time.perf_counter() - start
                     self.checkpoint(out, t + 1, rows)
                 if stop and not last:
@@ -180,3 +174,47 @@ class RoundLoop:
             )
         signals = rundir.StopSignals.SIGNALS  # SIGTERM wins over SIGINT
         return next((int(s) for s, n in zip(signals[::-1], got[:-1][::-1]) if n), 0)
+
+
+class PhaseClock:
+    """The seconds of each round's local work and exchange, added to a workload's ``times``.
+
+    On a CPU, ``time.perf_counter`` at each phase's end. A GPU runs its work after the host has
+    queued it, so a host clock would charge it to whichever later phase waits for the device;
+    synchronising at each phase's end instead kept the host from queueing the next round while
+    the device worked. There each mark is an event recorded on the device's stream, and the
+    times between them are added once the device has passed them: at once when it has, and
+    when the loop logs or checkpoints (``settle``), where it waits for the device anyway."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        self.pending: list[tuple] = []  # (start, local done, exchange done) events
+
+    def mark(self):
+        if self.stream is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(self.stream)
+        return event
+
+    def add(self, times: dict, start, local, done) -> None:
+        """One round's three marks."""
+        if self.stream is None:
+            times["local"] += local - start
+            times["exchange"] += done - local
+            return
+        self.pending.append((start, local, done))
+        while self.pending and self.pending[0][2].query():  # passed: no waiting
+            self._add(times, *self.pending.pop(0))
+
+    def settle(self, times: dict) -> None:
+        """Add every round's times, waiting for the device to pass the last mark."""
+        for marks in self.pending:
+            marks[2].synchronize()
+            self._add(times, *marks)
+        self.pending.clear()
+
+    @staticmethod
+    def _add(times: dict, start, local, done) -> None:
+        times["local"] += start.elapsed_time(local) / 1e3  # milliseconds
+        times["exchange"] += local.elapsed_time(done) / 1e3

@@ -285,6 +285,8 @@ class Trainer(RoundLoop):
         per_epoch = -(-self.counts // a.batch_size)
         self.batches_per_epoch = torch.as_tensor(per_epoch, device=self.device)
         self.outbox = None
+        self._finite_pending = None  # a queued _check_finite
+        self._finite_host = None
 
     def _route(self) -> str:
         """How messages travel: star (hub), gossip (W_t), rule (the rule's own phase), none."""
@@ -334,6 +336,7 @@ class Trainer(RoundLoop):
     def local_work(self, t: int, active: np.ndarray | None = None) -> None:
         """The participants' client update: E-step + personal update, then the local solver's
         steps on every participating peer at once; then what they send (``self.outbox``)."""
+        self._finite_checked()  # the last round's, if still queued
         L = len(self.peers)
         mine = np.ones(L, dtype=bool) if active is None else active[self.peers]
         # every peer (the common case): a mask made once, not an upload every round
@@ -699,21 +702,58 @@ class Trainer(RoundLoop):
         return tuple(self.gather([nll, acc, split.counts], self.peers, self.n_peers))
 
     def _check_finite(self, t: int, theta: torch.Tensor) -> None:
+        """Stop when a peer's parameters became NaN/inf in round ``t`` (naming the first).
+
+        On a GPU the check is queued, not waited for: its answer comes back to the host
+        without a synchronisation, and is read at the next round's start or before a log or
+        checkpoint (:meth:`_finite_checked`), where the host would wait for the device anyway;
+        a bad round is never logged or saved. Elsewhere it is read at once."""
         flat = theta.view(theta.shape[0], -1)
-        first = 0
-        if flat.numel() and not _all_finite(flat):
-            bad = (~torch.isfinite(flat)).any(-1)
-            first = int(self.peers[bad.nonzero()[0, 0].item()]) + 1
-        worst = first
-        if self.comm.world_size > 1 and self.collectives:  # the first bad peer on any rank
-            flag = torch.tensor([first], dtype=torch.float64, device=self.device)
-            worst = int(self.comm.all_reduce_sum(flag).item())
+        multi = self.comm.world_size > 1 and self.collectives
+        if self.device.type == "cpu" and not multi and flat.numel():
+            if not _all_finite(flat):
+                bad = (~torch.isfinite(flat)).any(-1)
+                self._raise_not_finite(t, int(bad.nonzero()[0, 0]) + 1, 1)
+            return
+        # (first bad peer here + 1 or 0, the same summed over the ranks), on the device
+        flag = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if flat.numel():
+            lo, hi = torch.aminmax(flat, dim=1)  # NaN propagates; one pass, no temporary
+            bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
+            first = bad.to(torch.uint8).argmax() + 1  # the first True (argmax takes the first)
+            flag[:] = torch.where(bad.any(), first, 0).double()
+        if multi:
+            self.comm.all_reduce_sum(flag[1:])
+        if self.device.type != "cuda":
+            self._finite_pending = (t, flag)
+            return self._finite_checked()
+        if self._finite_host is None:  # one page-locked buffer: read before the next copy
+            self._finite_host = torch.empty(2, dtype=torch.float64, pin_memory=True)
+        self._finite_host.copy_(flag, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(self.device))
+        self._finite_pending = (t, self._finite_host, done)
+
+    def _finite_checked(self) -> None:
+        """Read a queued :meth:`_check_finite` (none: nothing to do)."""
+        if self._finite_pending is None:
+            return
+        t, flag, *done = self._finite_pending
+        self._finite_pending = None
+        if done:
+            done[0].synchronize()  # the copy to the host, queued before the round's exchange
+        first, worst = (int(v) for v in flag.tolist())
         if worst:
-            raise GossipError(
-                f"round {t + 1}: the parameters of a peer (first: peer "  # rounds count from 1
-                f"{first - 1 if first else '?'} on rank {self.comm.rank}) became NaN/inf; "
-                f"lower algorithm.lr (now {self.cfg.algorithm.lr})"
-            )
+            self._raise_not_finite(t, first, worst)
+
+    def _raise_not_finite(self, t: int, first: int, worst: int) -> None:
+        """``first``: this rank's first bad row + 1 (0: none here); ``worst`` nonzero: some
+        rank has one."""
+        peer = f"peer {int(self.peers[first - 1])}" if first else "peer ?"
+        raise GossipError(
+            f"round {t + 1}: the parameters of a peer (first: {peer} on rank "  # rounds from 1
+            f"{self.comm.rank}) became NaN/inf; lower algorithm.lr (now {self.cfg.algorithm.lr})"
+        )
 
     # ---- checkpoints ----------------------------------------------------------------------
     def rows_of(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -723,6 +763,7 @@ class Trainer(RoundLoop):
     def checkpoint(self, out: Path, rounds_done: int, rows: list) -> None:
         """Every peer's shared and private state, optimizer state and counters, saved by
         rank 0 (all ranks take part in the gather)."""
+        self._finite_checked()
         L = len(self.peers)
         state = {
             "rounds_done": rounds_done,
@@ -784,6 +825,7 @@ class Trainer(RoundLoop):
         return state["rounds_done"], list(state["rows"])
 
     def metrics_row(self, t: int) -> dict:
+        self._finite_checked()
         test = self.evaluate(self.test)
         te_acc = test[1]
         row = {

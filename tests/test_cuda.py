@@ -111,3 +111,25 @@ def test_cnn_fedem_on_cuda_equals_cpu(tmp_path):
     np.testing.assert_allclose(gpu.shared_parameters(), cpu.shared_parameters(),
                                rtol=1e-4, atol=1e-5)  # fmt: skip
     torch.testing.assert_close(gpu.personal["pi"].cpu(), cpu.personal["pi"], rtol=1e-4, atol=1e-5)
+
+
+def test_phase_clock_times_the_device_without_waiting_for_it():
+    """The loop's phase times on a GPU come from events on its stream: a phase's queued work
+    counts to that phase once the device has run it, and marking it does not wait for it."""
+    import time
+
+    from gossip_pfl.loop import PhaseClock
+
+    device = torch.device("cuda")
+    clock, times = PhaseClock(device), {"local": 0.0, "exchange": 0.0}
+    torch.cuda.synchronize(device)
+    host = time.perf_counter()
+    start = clock.mark()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of device cycles in the "local work"
+    local = clock.mark()
+    clock.add(times, start, local, clock.mark())
+    host = time.perf_counter() - host
+    clock.settle(times)
+    assert not clock.pending
+    assert times["local"] > 0.02 and times["local"] > 5 * host  # the host did not wait
+    assert 0 <= times["exchange"] < 0.01

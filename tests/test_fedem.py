@@ -203,6 +203,19 @@ def test_nan_learning_rate_names_round_and_peer(tmp_path):
         Trainer(cfg, dataset=toy_dataset(8), log=quiet).run()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_bad_round_is_neither_logged_nor_saved(device, tmp_path):
+    """On a GPU the finite check is read a round late (at the next round's start, or before a
+    log or checkpoint): the error still names the round that went bad, and neither the metrics
+    nor a checkpoint holds it."""
+    cfg = cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}, lr=1e39)
+    cfg.eval.every, cfg.checkpoint_every, cfg.runtime.device = 1, 1, device
+    with pytest.raises(GossipError, match=r"round 1: .*\(first: peer 0 on rank 0\)"):
+        Trainer(cfg, dataset=toy_dataset(8), log=quiet).run()
+    assert not (tmp_path / "checkpoint.pt").exists()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_finite_check_names_the_first_bad_peer(bad, tmp_path):
     tr = Trainer(cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}), dataset=toy_dataset(8),
@@ -212,6 +225,38 @@ def test_finite_check_names_the_first_bad_peer(bad, tmp_path):
     theta[5, 1, -1], theta[3, 0, 2] = bad, bad
     with pytest.raises(GossipError, match=r"round 1: .*\(first: peer 3 on rank 0\)"):
         tr._check_finite(0, theta)
+
+
+class _TwoRanks:
+    """A comm as rank 0 of two: the other rank's first bad peer + 1 (0: none) joins each sum."""
+
+    rank, world_size, collectives = 0, 2, True
+
+    def __init__(self, other: int) -> None:
+        self.other = other
+
+    def all_reduce_sum(self, tensor):
+        return tensor.add_(self.other)
+
+
+@pytest.mark.parametrize("other", [0, 7])
+def test_finite_check_across_ranks_names_this_ranks_first_bad_peer(other, tmp_path):
+    """With ranks the flag is worked out on the device and summed: no bad peer anywhere
+    passes; one on another rank stops this one too (its peer unknown here); one here is named
+    by its peer id."""
+    tr = Trainer(cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}), dataset=toy_dataset(8),
+                 log=quiet)  # fmt: skip
+    tr.comm = _TwoRanks(other)
+    tr.peers = np.arange(10, 18)  # this rank's peers are not 0..L-1
+    theta = tr.nodes[: len(tr.peers)].clone()
+    if other:
+        with pytest.raises(GossipError, match=r"round 3: .*\(first: peer \? on rank 0\)"):
+            tr._check_finite(2, theta)
+    else:
+        tr._check_finite(2, theta)
+    theta[6, 2, 0], theta[4, 1, -1] = float("-inf"), float("nan")
+    with pytest.raises(GossipError, match=r"round 3: .*\(first: peer 14 on rank 0\)"):
+        tr._check_finite(2, theta)
 
 
 def test_bad_components_and_shape(tmp_path):
