@@ -38,6 +38,7 @@ from gossip_pfl.runtime.comm import (
     set_cuda_numerics,
 )
 from gossip_pfl.runtime.data import (
+    REORDER_ON,
     BatchPlanner,
     PaddedSplit,
     RankData,
@@ -402,7 +403,15 @@ class Trainer(RoundLoop):
                                           a.batch_size)  # fmt: skip
             self._record_plain_eta(opt_state, factor, bool(weight.any()))
             return
-        plan = step_plan(idx, weight, self.train.y.shape[1], self.device)
+        prefix = self.device.type in REORDER_ON
+        plan, order = step_plan(idx, weight, self.train.y.shape[1], self.device, prefix)
+        # reordered (order not None): for the steps, the stack and the solver's state hold the
+        # peers in that order, in place (a copy each, each step's peers a slice of it); the
+        # rest is indexed by the peers (rows)
+        scale = self.lr_scale if order is None else self.lr_scale[order]
+        if order is not None:
+            theta.copy_(theta[order])
+            self.solver.permute_rows(opt_state, order)
         anchor = theta.clone() if self.solver.prox_mu else None
         qt = None
         if q is not None:  # (L * N, M): a step's responsibilities are one index_select
@@ -410,9 +419,10 @@ class Trainer(RoundLoop):
         # plain SGD (no momentum, decay, proximal term or correction): theta -= c g in one
         # scatter-add per step, the step size c of every peer worked out once per round
         if plain:
-            neg_step = -(self.solver.lr * factor) * self.lr_scale[:, None, None]  # (L, 1, 1)
+            neg_step = -(self.solver.lr * factor) * scale[:, None, None]  # (L, 1, 1)
         for st in plan:
             rows, sel = st.rows, st.sel
+            peers = sel if order is None else rows  # the step's peers in their own order
             A, width = st.shape
             x, y = self.train.take_flat(st.flat, st.shape)
             # the samples' weights: responsibilities (none: 1) times the padding mask, (A, M, B)
@@ -425,7 +435,7 @@ class Trainer(RoundLoop):
             grad, loss = self.surrogate.shared_grad(self, theta[sel], personal, rows, x, y, sw)
             if plain:
                 if isinstance(sel, slice):
-                    theta.add_(neg_step * grad)
+                    theta[sel].add_(neg_step[sel] * grad)
                 else:
                     theta.index_add_(0, rows, neg_step[rows] * grad)
                 continue
@@ -436,9 +446,9 @@ class Trainer(RoundLoop):
                 # already, and this factor is 1)
                 mean = (a.batch_size / b_w.sum(-1).clamp_min(1)).to(loss.dtype)  # (A,)
                 loss = loss * mean
-                self.last_loss[sel] = loss.double()
+                self.last_loss[peers] = loss.double()
             if self.client is not None:
-                extra["correction"] = self.client.correction(self.client_state, sel)
+                extra["correction"] = self.client.correction(self.client_state, peers)
             if self.line_search:
                 grad = grad * mean[:, None, None]
 
@@ -447,8 +457,12 @@ class Trainer(RoundLoop):
                         self.surrogate.shared_loss(self, cand, x[sub], y[sub], sw[sub]) * mean[sub]
                     )
 
-                extra.update(loss=loss, loss_at=loss_at, batches=self.batches_per_epoch[sel])
-            self.solver.step(theta, grad, opt_state, sel, self.lr_scale, factor, anchor, **extra)
+                extra.update(loss=loss, loss_at=loss_at, batches=self.batches_per_epoch[peers])
+            self.solver.step(theta, grad, opt_state, sel, scale, factor, anchor, **extra)
+        if order is not None:  # back to the peers' own order
+            back = torch.argsort(order)
+            theta.copy_(theta[back])
+            self.solver.permute_rows(opt_state, back)
         if plain:
             self._record_plain_eta(opt_state, factor, bool(plan))
 
@@ -640,7 +654,7 @@ class Trainer(RoundLoop):
         idx, weight = round_batches(split.counts.cpu().numpy(), ids, self.cfg.seed, self.round,
                                     a.batch_size, self.finetune_epochs, stream=1,
                                     mean=a.loss_divisor == "batch")  # fmt: skip
-        for st in step_plan(idx, weight, split.y.shape[1], self.device):
+        for st in step_plan(idx, weight, split.y.shape[1], self.device)[0]:
             x, y = split.take_flat(st.flat, st.shape)
             sw = st.weight[:, None, :].expand(-1, self.M, -1)
             grad, _ = self.surrogate.shared_grad(self, theta[st.sel], personal, st.rows, x, y, sw)

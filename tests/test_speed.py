@@ -724,3 +724,79 @@ def test_linear_uploads_hold_the_plan_written_out(dense):
     assert np.array_equal(floats[1].numpy(), np.array(want_y))
     with pytest.raises(RuntimeError, match="already uploaded"):
         linear_uploads(host, split, neg_step)
+
+
+REORDER_CASES = {
+    **CASES,
+    "scaffold (a correction per peer)": {"name": "scaffold", "components": 1},
+    "apfl (personal rows)": {"name": "apfl", "components": 1},
+}
+
+
+@pytest.mark.parametrize("case", list(REORDER_CASES))
+def test_reordered_plan_gives_the_gathered_plans_numbers(case, monkeypatch, tmp_path):
+    """On a GPU, a round whose steps leave peers out runs on the stack reordered by each
+    peer's steps, every step's peers a slice of it (``data.step_plan``'s ``prefix``). Forced
+    here on the CPU: the numbers of gathering each step's peers (float rounding), every
+    peer's state back in its own row after the round, for the plain, momentum, proximal, line
+    search, control-variate and personal paths. The sizes tie and are out of order."""
+    import gossip_pfl.train as train
+
+    orders = []
+
+    def spy(*args, **kw):
+        plan, order = step_plan(*args, **kw)
+        orders.append(order)
+        return plan, order
+
+    from gossip_pfl.runtime.data import step_plan
+
+    sizes = [40, 85, 20, 59, 33, 59]
+    out = {}
+    for on in ((), ("cpu",)):
+        monkeypatch.setattr(train, "REORDER_ON", on)
+        monkeypatch.setattr(train, "step_plan", spy)
+        tr = rounds(trainer(tmp_path / str(len(on)), "vmap", REORDER_CASES[case], sizes=sizes))
+        out[on] = tr
+    assert all(o is None for o in orders[:3]) and all(o is not None for o in orders[3:])
+    assert orders[3].tolist() == [1, 3, 5, 0, 4, 2]  # most steps first, ties in rank order
+    plain, moved = out[()], out[("cpu",)]
+    close = lambda a, b: np.testing.assert_allclose(a.cpu(), b.cpu(), rtol=1e-5, atol=1e-6)  # noqa: E731
+    close(torch.as_tensor(plain.shared_parameters()), torch.as_tensor(moved.shared_parameters()))
+    close(plain.opt_state.momentum, moved.opt_state.momentum)
+    close(plain.opt_state.eta, moved.opt_state.eta)
+    close(plain.last_loss, moved.last_loss)
+    for k in plain.personal:
+        close(plain.personal[k], moved.personal[k])
+    for k in plain.client_state:
+        close(plain.client_state[k], moved.client_state[k])
+
+
+def test_step_plan_prefix_order_holds_the_same_batches():
+    """``step_plan(prefix=True)``: the peers ordered by their steps (most first, ties in rank
+    order), each step's peers the first A of them (a slice), and each peer's batch in each
+    step the one the gathered plan gives it. Not reordered where the steps leave out fewer
+    than L peer-steps, or where a peer sits out a step and comes back."""
+    from gossip_pfl.runtime.data import round_batches, step_plan
+
+    counts = np.array([40, 85, 20, 59, 0, 33, 59])
+    idx, weight = round_batches(counts, np.arange(7), seed=5, round_=2, batch_size=16)
+    gathered, none = step_plan(idx, weight, 85, "cpu")
+    plan, order = step_plan(idx, weight, 85, "cpu", prefix=True)
+    assert none is None and order.tolist() == [1, 3, 6, 0, 5, 2, 4]
+    assert len(plan) == len(gathered) == 6
+    for new, old in zip(plan, gathered):
+        a = len(new.rows)
+        assert new.sel == slice(0, a) and new.rows.tolist() == order[:a].tolist()
+        by_peer = {int(p): i for i, p in enumerate(old.rows)}
+        flat_old, flat_new = old.flat.view(a, -1), new.flat.view(a, -1)
+        for i, p in enumerate(new.rows.tolist()):
+            assert torch.equal(flat_new[i], flat_old[by_peer[p]])
+            assert torch.equal(new.weight[i], old.weight[by_peer[p]])
+    # few peer-steps left out: 5 peers, one of them one step short
+    idx, weight = round_batches(np.array([32, 32, 32, 32, 16]), np.arange(5), 5, 2, 16)
+    assert step_plan(idx, weight, 32, "cpu", prefix=True)[1] is None
+    # a peer that sits out the first step and comes back
+    idx, weight = round_batches(np.array([64, 16, 16]), np.arange(3), 5, 2, 16)
+    weight[:, 1:] = weight[::-1, 1:]
+    assert step_plan(idx, weight, 64, "cpu", prefix=True)[1] is None

@@ -243,11 +243,16 @@ class RankData:
         )
 
 
+#: devices where the trainer runs a reordered plan (:func:`step_plan`'s ``prefix``)
+REORDER_ON: tuple[str, ...] = ("cuda",)
+
+
 @dataclass
 class Step:
-    """One local step of a round's plan: the peers ``rows`` (A,) still in their epoch
-    (``sel``: a slice when that is all of them, so their state is a view), the flat
-    (peer, sample) positions of their batch (A * width,) and its weights (A, width)."""
+    """One local step of a round's plan: the peers ``rows`` (A,) still in their epoch, their
+    place ``sel`` in the stack the steps work on (a slice where that can be: their state is
+    then a view), the flat (peer, sample) positions of their batch (A * width,) and its
+    weights (A, width)."""
 
     rows: torch.Tensor
     sel: torch.Tensor | slice
@@ -259,19 +264,36 @@ class Step:
         return tuple(self.weight.shape)
 
 
-def step_plan(idx: np.ndarray, weight: np.ndarray, n_max: int, device) -> list[Step]:
-    """A round's :func:`round_batches` plan as device tensors, uploaded at once.
+def step_plan(
+    idx: np.ndarray, weight: np.ndarray, n_max: int, device, prefix: bool = False
+) -> tuple[list[Step], torch.Tensor | None]:
+    """A round's :func:`round_batches` plan as device tensors, uploaded at once, and the
+    order of the stack its steps work on (None: the peers' own order).
 
     Only the peers still in their epoch take part in a step (small peers finish early), and
     its batch is cut to the longest real one: padding is front-to-back, and costs. All of it
     is worked out on the host and uploaded in three copies per round, then split into
     per-step views: a per-step nonzero() or upload would stop the host at every step on a
-    GPU, and every step would pay a dozen small operations for it."""
+    GPU, and every step would pay a dozen small operations for it.
+
+    A step of some of the peers gathers their rows and writes them back: with a CNN's
+    millions of parameters a peer, five passes over them a step. With ``prefix``, where steps
+    leave out at least L peer-steps in all, the peers are instead ordered by their number of
+    steps, most first (ties in rank order): every step's peers are then the first A of that
+    order, its ``sel`` is ``slice(0, A)`` of the stack reordered once for the round, and its
+    ``rows`` are those peers in that order. Each peer's arithmetic is its own, so the order
+    changes no bits; it costs two passes over the stack in and two out."""
     filled = (weight > 0).sum(-1)  # (S, L) real samples of each peer's batch at step s
-    L = idx.shape[1]
+    S, L = filled.shape
+    taking = filled > 0
+    steps = taking.sum(0)  # (L,) steps each peer takes: every one of them first
+    left_out = int((L - taking.sum(1))[taking.any(1)].sum())
+    order = None
+    if prefix and left_out >= L and np.array_equal(taking, np.arange(S)[:, None] < steps):
+        order = np.argsort(-steps, kind="stable")
     rows, flat, wts, sizes = [], [], [], []
-    for s in range(idx.shape[0]):
-        r = np.flatnonzero(filled[s] > 0)
+    for s in range(S):
+        r = np.flatnonzero(taking[s]) if order is None else order[: int(taking[s].sum())]
         if len(r) == 0:
             continue
         width = int(filled[s].max())
@@ -280,15 +302,22 @@ def step_plan(idx: np.ndarray, weight: np.ndarray, n_max: int, device) -> list[S
         wts.append(weight[s, r, :width].reshape(-1))
         sizes.append((len(r), width))
     if not sizes:
-        return []
+        return [], None
     up = lambda parts, dtype: torch.as_tensor(np.concatenate(parts), dtype=dtype, device=device)  # noqa: E731
-    rows_d = up(rows, torch.long).split([a for a, _ in sizes])
     flat_d = up(flat, torch.long).split([a * w for a, w in sizes])
     wts_d = up(wts, torch.float32).split([a * w for a, w in sizes])
-    return [
-        Step(r, slice(None) if a == L else r, f, w.view(a, width))
-        for r, f, w, (a, width) in zip(rows_d, flat_d, wts_d, sizes)
+    if order is None:
+        rows_d = up(rows, torch.long).split([a for a, _ in sizes])
+        sels = [slice(None) if a == L else r for r, (a, _) in zip(rows_d, sizes)]
+    else:  # every step's rows are a prefix of the order
+        order_d = up([order], torch.long)
+        rows_d = [order_d[:a] for a, _ in sizes]
+        sels = [slice(None) if a == L else slice(0, a) for a, _ in sizes]
+    plan = [
+        Step(r, sel, f, w.view(a, width))
+        for r, sel, f, w, (a, width) in zip(rows_d, sels, flat_d, wts_d, sizes)
     ]
+    return plan, None if order is None else order_d
 
 
 @dataclass

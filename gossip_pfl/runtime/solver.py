@@ -46,6 +46,14 @@ class LocalSGD:
     def begin_round(self, state: SGDState) -> None:
         pass
 
+    def permute_rows(self, state: SGDState, order: torch.Tensor) -> None:
+        """Put the peers' state in ``order`` in place (row i becomes row ``order[i]``), as
+        the trainer does the stack for a reordered plan (:func:`gossip_pfl.runtime.data.
+        step_plan`'s ``prefix``); the momentum only where a step reads it."""
+        if self.momentum:
+            state.momentum.copy_(state.momentum[order])
+        state.eta.copy_(state.eta[order])
+
     @property
     def plain(self) -> bool:
         """A step is theta -= lr g alone (no momentum, decay or proximal term): the trainer
