@@ -11,6 +11,9 @@
 #   benchmarks/gpu_kit.sh all       # there: both in one call (shorter limits; 15-minute leases)
 #   benchmarks/gpu_kit.sh cnn       # there: the CNN's two forms of convolutions (3 to 7 minutes)
 #
+# The synthetic runs and the CNN's rounds are also timed on the $BASE tree (below), archived
+# by `prepare`, side by side in the same call.
+#
 # `test` and `bench` each fit one 10-minute call and write their logs to $OUT (at most 8
 # files come back). Each installs first, so either may run on a fresh machine.
 set -uo pipefail
@@ -19,6 +22,8 @@ KIT=.gpu_kit
 PY=${PYTHON:-python3}
 OUT=${OUT:-runs/gpu_kit}
 ANCHOR=5e626a6  # the speed issue's anchor: 15.5 s for 200 synthetic rounds on an H100
+BASE=a803af0  # the last tree timed on a GPU: before the loop lost its per-round synchronisations
+              # and the trainer gained the reordered plan
 
 # cvxpy 1.6 (not 1.9: its extra solvers would not fit the carry) with SCS and Clarabel for
 # the FMMC weights, pyzmq for the peer-to-peer transport, pytest >= 8.4 (pyproject.toml's
@@ -40,7 +45,9 @@ prepare() {
     # the issue's anchor commit, to time it side by side on the same GPU (bench_wall.py needs
     # the git history, which the device tool does not carry), and this machine's solved FMMC
     # weights (a 300-node SDP takes seconds of the lease)
-    mkdir -p "$KIT/anchor" "$KIT/cache" && git archive "$ANCHOR" | tar -x -C "$KIT/anchor" || exit 2
+    mkdir -p "$KIT/anchor" "$KIT/base" "$KIT/cache" || exit 2
+    git archive "$ANCHOR" | tar -x -C "$KIT/anchor" && git archive "$BASE" | tar -x -C "$KIT/base" \
+        || exit 2
     cp -r "${GOSSIP_PFL_CACHE:-$HOME/.cache/gossip-pfl}/fmmc" "$KIT/cache/" 2>/dev/null || true
     du -sh "$KIT"
 }
@@ -87,18 +94,21 @@ stage() {
     return 0
 }
 
-# bench SYNTHETIC_S OPS_S PROFILE_S CNN_S MAX_PEERS CNN_MODES CONV_S: 200 synthetic rounds
-# on the GPU (this tree without and with CUDA graphs, twice each, alternating; then the
-# anchor), operations per round, a profile of a round (both ways), the CNN's step in three
-# convolution layouts, the CNN (with a profile of a round)
+# bench SYNTHETIC_S OPS_S PROFILE_S CNN_S MAX_PEERS CNN_MODES BASE_S: 200 synthetic rounds on
+# the GPU (this tree without CUDA graphs once, then with them twice, alternating with the
+# $BASE tree; then the anchor), operations per round, a profile of a round (both ways), the
+# CNN (with a profile of a round and the most clients), the CNN on the $BASE tree
 bench() {
     export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
     # a failed run shows its last lines, the others still run, and the stage then fails
-    stage synthetic "$1" bash -c 'failed=0; for g in false true false true; do
-        echo "runtime.cuda_graphs=$g:"
-        $PY -m gossip_pfl run configs/synthetic/dfedem.yaml --no-plots --overwrite \
-            --set runtime.device=$DEV --set runtime.cuda_graphs=$g --out runs/gpu_kit/synthetic \
-            > /tmp/synthetic.log 2>&1 && grep -E "wall_s|test_acc" /tmp/synthetic.log \
+    stage synthetic "$1" bash -c 'failed=0; here=$PWD
+    for run in new:false base:true new:true base:true new:true; do
+        tree=${run%%:*}; g=${run##*:}; echo "$tree, runtime.cuda_graphs=$g:"
+        dir=$here; [ "$tree" = base ] && dir=$here/.gpu_kit/base
+        (cd "$dir" && PYTHONPATH=$dir:$PYTHONPATH $PY -m gossip_pfl run \
+            configs/synthetic/dfedem.yaml --no-plots --overwrite --set runtime.device=$DEV \
+            --set runtime.cuda_graphs=$g --out /tmp/synthetic_run) > /tmp/synthetic.log 2>&1 \
+            && grep -E "wall_s|test_acc" /tmp/synthetic.log \
             || { failed=1; echo "failed:"; tail -5 /tmp/synthetic.log; }
     done
     if [ -d .gpu_kit/anchor ]; then echo "anchor:"; cd .gpu_kit/anchor && \
@@ -112,9 +122,17 @@ bench() {
         --json /tmp/bench_ops.json && cat /tmp/bench_ops.json'
     stage profile "$3" bash -c '$PY benchmarks/gpu_profile.py --set runtime.cuda_graphs=false &&
         $PY benchmarks/gpu_profile.py'
-    stage conv "$7" $PY benchmarks/bench_conv.py --device $DEV
     stage cnn "$4" $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers "$5" \
         --modes "$6" --profile --json "$OUT/bench_cnn.json"
+    cnn_base "$7"
+}
+
+# cnn_base SECONDS: the full CNN's rounds (float32, the patch products) on the $BASE tree,
+# to set beside this tree's
+cnn_base() {
+    stage cnn_base "$1" bash -c 'cd .gpu_kit/base && PYTHONPATH=$PWD:$PYTHONPATH \
+        $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --modes float32 --no-floor \
+        --json /tmp/bench_cnn_base.json'
 }
 
 case "${1:-}" in
@@ -126,13 +144,14 @@ case "${1:-}" in
         # pyproject's --maxprocesses 4 (for 2-core CI machines) would cap -n
         stage tests 500 $PY -m pytest -n 8 --maxprocesses 8 -rs
         ;;
-    bench) install; bench 150 100 120 300 3200 float32,tf32,bf16 60 ;;
+    bench) install; bench 200 100 120 300 3200 float32,tf32,bf16 90 ;;
     all)
         install
         # under the device tool's 10-minute call; the H100 lease's stages took: the suite
-        # 72 s (8 workers), synthetic 98 s, ops 20 s, profile 24 s, conv 33 s, the CNN 169 s
-        stage tests 110 $PY -m pytest -n 8 --maxprocesses 8 -rs -q --durations=12
-        bench 125 35 40 190 800 float32,bf16 45
+        # 48 to 72 s (8 workers), synthetic 98 s (four runs and the anchor), ops 20 s,
+        # profile 24 s, the CNN 169 s (bench_conv.py's 33 s is in `cnn`)
+        stage tests 100 $PY -m pytest -n 8 --maxprocesses 8 -rs -q --durations=12
+        bench 150 35 40 180 800 float32,bf16 60
         ;;
     cnn)
         # the CNN's two forms of the convolutions side by side, for a short lease: the CUDA
@@ -148,6 +167,7 @@ case "${1:-}" in
             --json "$OUT/bench_cnn.json"
         stage cnn_groups 100 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 \
             --modes float32,bf16 --conv groups --no-floor --json /tmp/bench_cnn_groups.json
+        cnn_base 60
         ;;
     *)
         echo "usage: benchmarks/gpu_kit.sh prepare|test|bench|all|cnn|sources" >&2
