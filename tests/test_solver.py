@@ -75,6 +75,31 @@ def test_step_gives_the_definitions_bits(name, where, corrected):
     assert (state.eta[~took] == 0).all()
 
 
+@pytest.mark.parametrize("name", SOLVERS)
+@pytest.mark.parametrize("where", ROWS)
+def test_fused_step_gives_the_definition_to_rounding(name, where, monkeypatch):
+    """The fused forms a GPU's step takes (``solver.FUSED_ON``), forced on the CPU: the
+    definition's numbers to float rounding, the caller's gradient untouched, the rows outside
+    the step left alone."""
+    from gossip_pfl.runtime import solver as module
+
+    monkeypatch.setattr(module, "FUSED_ON", ("cpu",))
+    solver, rows = SOLVERS[name], ROWS[where]
+    rows = rows if isinstance(rows, slice) else torch.tensor(rows)
+    a = len(range(L)[rows]) if isinstance(rows, slice) else len(rows)
+    theta, grad, anchor = draw(3, a)
+    state = solver.init(theta)
+    state.momentum.normal_(generator=torch.Generator().manual_seed(5))
+    scale = torch.rand(L, generator=torch.Generator().manual_seed(6)) + 0.5
+    want_theta, want_mom = definition(solver, theta, grad, state.momentum, rows, scale, 0.1,
+                                      anchor, None)  # fmt: skip
+    before = grad.clone()
+    solver.step(theta, grad, state, rows, scale, 0.1, anchor)
+    torch.testing.assert_close(theta, want_theta, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(state.momentum, want_mom, rtol=1e-6, atol=1e-6)
+    assert torch.equal(grad, before)
+
+
 def test_steps_equal_torch_optim_sgd_per_peer():
     """Five steps, a different subset of peers each, against one torch.optim.SGD per peer with
     that peer's step size."""
