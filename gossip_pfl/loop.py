@@ -9,7 +9,7 @@ round, checkpoint, stop), checkpoints every ``checkpoint_every`` rounds, and res
 
 A workload has ``cfg``, ``comm``, ``device``, ``log``, ``times`` (a dict) and ``round``, and
 implements ``sample``, ``local_work``, ``communicate``, ``metrics_row``, ``checkpoint``,
-``restore``, ``summary`` and ``describe``.
+``restore``, ``summary`` and ``describe`` (and ``settle`` where a round leaves work queued).
 """
 
 from __future__ import annotations
@@ -62,6 +62,10 @@ class RoundLoop:
 
     def describe(self) -> str:
         raise NotImplementedError
+
+    def settle(self) -> None:
+        """Before a log or a checkpoint: read back what a round left queued on the device (the
+        trainer's finite check), so that a bad round is neither logged nor saved."""
 
     def keys_before(self) -> dict:
         """For config keys added after a checkpoint was made, the value it ran under (dotted
@@ -128,6 +132,7 @@ class RoundLoop:
                 clock.add(self.times, t0, t1, clock.mark())
                 last = t == cfg.rounds - 1
                 if (t + 1) % cfg.eval.every == 0 or last:  # log
+                    self.settle()
                     clock.settle(self.times)
                     row = self.metrics_row(t)
                     rows.append(row)
@@ -142,6 +147,7 @@ class RoundLoop:
                 stop = self._agreed(signals.received, write_error)
                 every = cfg.checkpoint_every
                 if (every and (t + 1) % every == 0) or last or stop:  # checkpoint
+                    self.settle()
                     clock.settle(self.times)
                     self.times["wall"] = time.perf_counter() - start
                     self.checkpoint(out, t + 1, rows)

@@ -63,6 +63,9 @@ from gossip_pfl.runtime.threads import configure_host
 from topologies import MixingSchedule, TopologyError
 from topologies.analysis import check_mixing
 
+#: devices on which the finite check is queued rather than waited for (see _check_finite)
+QUEUE_CHECK_ON: tuple[str, ...] = ("cuda",)
+
 
 def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
     """The run's gossip schedule over its ``n`` training peers; None where the algorithm's
@@ -337,7 +340,6 @@ class Trainer(RoundLoop):
     def local_work(self, t: int, active: np.ndarray | None = None) -> None:
         """The participants' client update: E-step + personal update, then the local solver's
         steps on every participating peer at once; then what they send (``self.outbox``)."""
-        self._finite_checked()  # the last round's, if still queued
         L = len(self.peers)
         mine = np.ones(L, dtype=bool) if active is None else active[self.peers]
         # every peer (the common case): a mask made once, not an upload every round
@@ -412,6 +414,24 @@ class Trainer(RoundLoop):
         if order is not None:
             theta.copy_(theta[order])
             self.solver.permute_rows(opt_state, order)
+        try:
+            self._plan_steps(plan, order is not None, theta, q, opt_state, scale, factor,
+                             personal, plain)  # fmt: skip
+        finally:  # back to the peers' own order (after an error too)
+            if order is not None:
+                back = torch.argsort(order)
+                theta.copy_(theta[back])
+                self.solver.permute_rows(opt_state, back)
+        if plain:
+            self._record_plain_eta(opt_state, factor, bool(plan))
+
+    def _plan_steps(
+        self, plan, reordered, theta, q, opt_state, scale, factor, personal, plain
+    ) -> None:  # fmt: skip
+        """:meth:`local_steps`' steps of a :func:`step_plan` on ``theta`` (``reordered``: in
+        the plan's order, each step's peers a slice); ``scale`` is each peer's step-size
+        multiplier in the same order."""
+        L, a = len(self.peers), self.cfg.algorithm
         anchor = theta.clone() if self.solver.prox_mu else None
         qt = None
         if q is not None:  # (L * N, M): a step's responsibilities are one index_select
@@ -422,7 +442,7 @@ class Trainer(RoundLoop):
             neg_step = -(self.solver.lr * factor) * scale[:, None, None]  # (L, 1, 1)
         for st in plan:
             rows, sel = st.rows, st.sel
-            peers = sel if order is None else rows  # the step's peers in their own order
+            peers = rows if reordered else sel  # the step's peers in their own order
             A, width = st.shape
             x, y = self.train.take_flat(st.flat, st.shape)
             # the samples' weights: responsibilities (none: 1) times the padding mask, (A, M, B)
@@ -459,12 +479,6 @@ class Trainer(RoundLoop):
 
                 extra.update(loss=loss, loss_at=loss_at, batches=self.batches_per_epoch[peers])
             self.solver.step(theta, grad, opt_state, sel, scale, factor, anchor, **extra)
-        if order is not None:  # back to the peers' own order
-            back = torch.argsort(order)
-            theta.copy_(theta[back])
-            self.solver.permute_rows(opt_state, back)
-        if plain:
-            self._record_plain_eta(opt_state, factor, bool(plan))
 
     def _record_plain_eta(self, opt_state, factor: float, stepped: bool) -> None:
         """The step size each peer took last (FedLi's clients send it), after plain SGD."""
@@ -718,13 +732,16 @@ class Trainer(RoundLoop):
     def _check_finite(self, t: int, theta: torch.Tensor) -> None:
         """Stop when a peer's parameters became NaN/inf in round ``t`` (naming the first).
 
-        On a GPU the check is queued, not waited for: its answer comes back to the host
-        without a synchronisation, and is read at the next round's start or before a log or
-        checkpoint (:meth:`_finite_checked`), where the host would wait for the device anyway;
-        a bad round is never logged or saved. Elsewhere it is read at once."""
+        On the devices of :data:`QUEUE_CHECK_ON` (a GPU), with one process or collectives, the
+        check is queued, not waited for: its answer comes back to the host without a
+        synchronisation, and is read at the next check or before a log or checkpoint
+        (:meth:`settle`), so a bad round is never logged or saved. Peers that exchange without
+        collectives check at once: one that went bad stops before it sends its parameters."""
+        self._finite_checked()  # the last round's first: one in the queue (its buffer is reused)
         flat = theta.view(theta.shape[0], -1)
         multi = self.comm.world_size > 1 and self.collectives
-        if self.device.type == "cpu" and not multi and flat.numel():
+        queue = self.device.type in QUEUE_CHECK_ON and (self.comm.world_size == 1 or multi)
+        if not queue and not multi and flat.numel():
             if not _all_finite(flat):
                 bad = (~torch.isfinite(flat)).any(-1)
                 self._raise_not_finite(t, int(bad.nonzero()[0, 0]) + 1, 1)
@@ -738,15 +755,21 @@ class Trainer(RoundLoop):
             flag[:] = torch.where(bad.any(), first, 0).double()
         if multi:
             self.comm.all_reduce_sum(flag[1:])
-        if self.device.type != "cuda":
+        if not queue:
             self._finite_pending = (t, flag)
             return self._finite_checked()
+        if self.device.type != "cuda":  # (a test queues it on the CPU)
+            self._finite_pending = (t, flag)
+            return
         if self._finite_host is None:  # one page-locked buffer: read before the next copy
             self._finite_host = torch.empty(2, dtype=torch.float64, pin_memory=True)
         self._finite_host.copy_(flag, non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
         self._finite_pending = (t, self._finite_host, done)
+
+    def settle(self) -> None:
+        self._finite_checked()
 
     def _finite_checked(self) -> None:
         """Read a queued :meth:`_check_finite` (none: nothing to do)."""
@@ -777,7 +800,6 @@ class Trainer(RoundLoop):
     def checkpoint(self, out: Path, rounds_done: int, rows: list) -> None:
         """Every peer's shared and private state, optimizer state and counters, saved by
         rank 0 (all ranks take part in the gather)."""
-        self._finite_checked()
         L = len(self.peers)
         state = {
             "rounds_done": rounds_done,
@@ -839,7 +861,6 @@ class Trainer(RoundLoop):
         return state["rounds_done"], list(state["rows"])
 
     def metrics_row(self, t: int) -> dict:
-        self._finite_checked()
         test = self.evaluate(self.test)
         te_acc = test[1]
         row = {

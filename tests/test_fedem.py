@@ -216,6 +216,55 @@ def test_a_bad_round_is_neither_logged_nor_saved(device, tmp_path):
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
+@pytest.mark.parametrize("every, save", [(1, 0), (2, 0), (5, 0), (1, 1), (5, 2), (3, 4)])
+def test_a_queued_finite_check_stops_before_the_bad_round_is_kept(every, save, monkeypatch,
+                                                                   tmp_path):  # fmt: skip
+    """The GPU's queued check (read at the next round's check, or before a log or
+    checkpoint), forced on the CPU: a peer that goes bad in round 4 stops the run naming round
+    4 and that peer, whatever the log and checkpoint intervals, and nothing of round 4 is
+    logged or saved."""
+    import json
+
+    import gossip_pfl.train as train
+    from gossip_pfl import checkpoint
+
+    monkeypatch.setattr(train, "QUEUE_CHECK_ON", ("cpu",))
+    steps = Trainer.local_steps
+
+    def spoiled(self, theta, *args, **kw):  # peer 2 goes bad in round 4 (t = 3)
+        steps(self, theta, *args, **kw)
+        if args[2] == 3:
+            theta[2, 1, 0] = float("nan")
+
+    monkeypatch.setattr(Trainer, "local_steps", spoiled)
+    cfg = cfg_for(tmp_path, "dfedem", rounds=8, schedule={"graph": "ring"})
+    cfg.eval.every, cfg.checkpoint_every = every, save
+    tr = Trainer(cfg, dataset=toy_dataset(8), log=quiet)
+    with pytest.raises(GossipError, match=r"round 4: .*\(first: peer 2 on rank 0\)"):
+        tr.run()
+    rows = [json.loads(r) for r in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == list(range(every, 4, every))
+    saved = (tmp_path / "checkpoint.pt").exists()
+    assert saved == (0 < save <= 3)
+    if saved:
+        assert checkpoint.load(tmp_path)["rounds_done"] == 3 // save * save
+
+
+def test_peers_without_collectives_check_at_once(monkeypatch, tmp_path):
+    """Peers that exchange point to point are not stopped together: each checks before it
+    sends, even where the check is queued (on a GPU)."""
+    import gossip_pfl.train as train
+
+    monkeypatch.setattr(train, "QUEUE_CHECK_ON", ("cpu",))
+    tr = Trainer(cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}), dataset=toy_dataset(8),
+                 log=quiet)  # fmt: skip
+    tr.comm, tr.collectives = _TwoRanks(0), False
+    theta = tr.nodes[: len(tr.peers)].clone()
+    theta[5, 0, 0] = float("inf")
+    with pytest.raises(GossipError, match=r"round 2: .*\(first: peer 5 on rank 0\)"):
+        tr._check_finite(1, theta)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_finite_check_names_the_first_bad_peer(bad, tmp_path):
     tr = Trainer(cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}), dataset=toy_dataset(8),

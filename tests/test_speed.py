@@ -800,3 +800,36 @@ def test_step_plan_prefix_order_holds_the_same_batches():
     idx, weight = round_batches(np.array([64, 16, 16]), np.arange(3), 5, 2, 16)
     weight[:, 1:] = weight[::-1, 1:]
     assert step_plan(idx, weight, 64, "cpu", prefix=True)[1] is None
+
+
+def test_reordered_round_that_fails_leaves_every_peer_in_its_row(monkeypatch, tmp_path):
+    """A step that raises half-way through a reordered round (say, out of memory) still puts
+    the stack and the solver's state back in the peers' order: they hold what the gathered
+    plan holds after the same error."""
+    import gossip_pfl.train as train
+    from gossip_pfl.runtime.solver import LocalSGD
+
+    step = LocalSGD.step
+
+    def failing(self, *args, **kw):
+        failing.calls += 1
+        if failing.calls == 3:
+            raise RuntimeError("out of memory")
+        return step(self, *args, **kw)
+
+    monkeypatch.setattr(LocalSGD, "step", failing)
+    after = {}
+    for on in ((), ("cpu",)):
+        monkeypatch.setattr(train, "REORDER_ON", on)
+        failing.calls = 0
+        tr = trainer(tmp_path / str(len(on)), "vmap", CASES["dfedem, momentum and decay"],
+                     sizes=[40, 85, 20, 59, 33, 59])  # fmt: skip
+        with pytest.raises(RuntimeError, match="out of memory"):
+            tr.local_work(0)
+        after[on] = tr
+    plain, moved = after[()], after[("cpu",)]
+    np.testing.assert_allclose(plain.shared_parameters(), moved.shared_parameters(),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    for a, b in ((plain.opt_state.momentum, moved.opt_state.momentum),
+                 (plain.opt_state.eta, moved.opt_state.eta)):  # fmt: skip
+        np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)

@@ -277,12 +277,15 @@ def step_plan(
     GPU, and every step would pay a dozen small operations for it.
 
     A step of some of the peers gathers their rows and writes them back: with a CNN's
-    millions of parameters a peer, five passes over them a step. With ``prefix``, where steps
-    leave out at least L peer-steps in all, the peers are instead ordered by their number of
+    millions of parameters a peer, five passes over them a step. With ``prefix``, where no peer
+    sits out a step and comes back in a later one, and the steps leave out at least L
+    peer-steps in all, the peers are instead ordered by their number of
     steps, most first (ties in rank order): every step's peers are then the first A of that
     order, its ``sel`` is ``slice(0, A)`` of the stack reordered once for the round, and its
-    ``rows`` are those peers in that order. Each peer's arithmetic is its own, so the order
-    changes no bits; it costs two passes over the stack in and two out."""
+    ``rows`` are those peers in that order. The reordering costs about eight passes over the
+    stack a round (in and out, through a temporary). A peer's numbers change only by rounding:
+    the step's batched calls group its peers differently (the trainer takes it where
+    ``REORDER_ON`` says)."""
     filled = (weight > 0).sum(-1)  # (S, L) real samples of each peer's batch at step s
     S, L = filled.shape
     taking = filled > 0
