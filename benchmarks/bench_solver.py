@@ -3,12 +3,14 @@ weight decay and each peer's step size (``gossip_pfl.runtime.solver.LocalSGD.ste
 peers x M = 3 x 2.17 million parameters, for a step holding every peer (a slice: views updated
 in place) and one holding half of them (indexed: gathered, stepped, copied back), against the
 same formula as one function under ``torch.compile`` (fused kernels: about the 5 passes over the
-rows that the formula needs, against the eager step's 15, or 23 indexed).
+rows that the formula needs, against the eager step's 15, or 23 indexed, on a CPU; on a GPU
+the eager step takes fused forms, ``solver.FUSED_ON``: 9, or 17 indexed).
 
 On an H100 the eager steps took about 300 of a FedEM round's 884 GPU milliseconds, and the
-gathers and write-backs about 150 more (docs/benchmarks.md). The eager step keeps each term
-its own kernel so that a CPU gives the same bits on every placement; a fused kernel rounds
-differently (a fused multiply-add), so this prints the largest difference too.
+gathers and write-backs about 150 more (docs/benchmarks.md), before the fused forms and the
+reordered plan. On a CPU the eager step keeps each term its own kernel so that it gives the
+same bits on every placement; a fused kernel rounds differently (a fused multiply-add), so
+this prints the largest difference too.
 
 On the 2-core CPU (20 peers, ``--peers 20 --params 2170000``) the compiled step took 53 ms
 against 279 for a slice (0.19x) and 211 against 327 indexed (0.65x), with the eager step's bits

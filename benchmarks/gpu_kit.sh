@@ -3,13 +3,13 @@
 # session that is lent a GPU machine. That machine has PyTorch with CUDA, numpy, scipy,
 # matplotlib, networkx, pytest and pytest-xdist, but reaches no package registry and has no
 # Fashion-MNIST files; `prepare` gathers what it lacks into .gpu_kit/ (ignored by git, about
-# 45 MB: the device tool carries at most 64 MiB with the tree).
+# 50 MB: the device tool carries at most 64 MiB with the tree).
 #
 #   benchmarks/gpu_kit.sh prepare   # here, with PyPI: wheels + Fashion-MNIST
 #   benchmarks/gpu_kit.sh test      # there (carry .gpu_kit): install, the test suite
 #   benchmarks/gpu_kit.sh bench     # there: synthetic 200 rounds, operations, the CNN
 #   benchmarks/gpu_kit.sh all       # there: both in one call (shorter limits; 15-minute leases)
-#   benchmarks/gpu_kit.sh cnn       # there: the CNN's two forms of convolutions (3 to 7 minutes)
+#   benchmarks/gpu_kit.sh cnn       # there: the CNN's two forms of convolutions (4 to 8 minutes)
 #
 # The synthetic runs and the CNN's rounds are also timed on the $BASE tree (below), archived
 # by `prepare`, side by side in the same call.
@@ -144,7 +144,7 @@ case "${1:-}" in
         # pyproject's --maxprocesses 4 (for 2-core CI machines) would cap -n
         stage tests 500 $PY -m pytest -n 8 --maxprocesses 8 -rs
         ;;
-    bench) install; bench 200 100 120 300 3200 float32,tf32,bf16 90 ;;
+    bench) install; bench 170 60 80 200 3200 float32,tf32,bf16 60 ;;
     all)
         install
         # under the device tool's 10-minute call; the H100 lease's stages took: the suite
@@ -158,7 +158,7 @@ case "${1:-}" in
         # tests, one step in each layout, the solver's step eager and compiled, rounds in each
         # form and mode, the most clients
         install
-        export OMP_NUM_THREADS=1 DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
+        export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
         stage tests 60 $PY -m pytest -n 4 --maxprocesses 4 -rs -q tests/test_cuda.py
         stage conv 45 $PY benchmarks/bench_conv.py --device $DEV
         stage solver 60 $PY benchmarks/bench_solver.py --device $DEV
