@@ -133,3 +133,19 @@ def test_phase_clock_times_the_device_without_waiting_for_it():
     assert not clock.pending
     assert times["local"] > 0.02 and times["local"] > 5 * host  # the host did not wait
     assert 0 <= times["exchange"] < 0.01
+
+
+def test_uploads_rewrite_a_buffer_only_after_its_copy_ran():
+    """The fused round's uploads go through two page-locked buffers without waiting for the
+    device: with the device far behind the host (a queued sleep), a buffer is still not
+    rewritten before its last copy has run, so every upload arrives intact."""
+    from gossip_pfl.runtime.data import Uploads
+
+    up = Uploads(torch.device("cuda"))
+    assert up.staged
+    torch.cuda._sleep(200_000_000)  # about 0.1 s: the copies below queue behind it
+    arrays = [np.full(1 << 20, i, np.float32) for i in range(5)]
+    got = [up("floats", a) for a in arrays]
+    for tensor, a in zip(got, arrays):
+        assert torch.equal(tensor.cpu(), torch.from_numpy(a))
+    assert all(slot[0].is_pinned() for slot in up.slots["floats"])

@@ -833,3 +833,23 @@ def test_reordered_round_that_fails_leaves_every_peer_in_its_row(monkeypatch, tm
     for a, b in ((plain.opt_state.momentum, moved.opt_state.momentum),
                  (plain.opt_state.eta, moved.opt_state.eta)):  # fmt: skip
         np.testing.assert_allclose(a.numpy(), b.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_staged_uploads_take_turns_and_hand_out_copies():
+    """``data.Uploads`` with its buffers forced on the CPU (on a GPU they are page-locked and
+    guarded by events): every upload gives its array's values, as a tensor of its own, after
+    later uploads of the same name have reused and regrown the two buffers; names do not
+    share buffers."""
+    from gossip_pfl.runtime.data import Uploads
+
+    up = Uploads(torch.device("cpu"), staged=True)
+    g = np.random.default_rng(0)
+    arrays = [g.random((2, 3, n)).astype(np.float32) for n in (4, 4, 9, 2, 9)]
+    ints = [g.integers(0, 100, n) for n in (5, 7, 3, 8, 1)]
+    got = [(up("floats", a), up("ints", i)) for a, i in zip(arrays, ints)]
+    for (f, i), a, b in zip(got, arrays, ints):
+        assert torch.equal(f, torch.from_numpy(a)) and torch.equal(i, torch.from_numpy(b))
+    buffers = [slot[0] for slots in up.slots.values() for slot in slots]
+    assert len({b.data_ptr() for b in buffers}) == 4  # two per name
+    assert not any(t.data_ptr() == b.data_ptr() for f, i in got for t in (f, i) for b in buffers)
+    assert not Uploads(torch.device("cpu")).staged  # a CPU takes the arrays as they are

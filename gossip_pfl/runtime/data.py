@@ -408,11 +408,50 @@ def dense_layout(device: torch.device) -> bool:
     return device.type != "cpu"
 
 
+class Uploads:
+    """Host arrays to a device without waiting for its queue. On a GPU a copy from pageable
+    memory first waits for every kernel queued before it, so each round's uploads stopped the
+    host until the device had finished the round before; a copy from page-locked memory is
+    queued like a kernel. So each array goes through one of two page-locked buffers kept per
+    name and used in turn, and a buffer is written again only once its last copy has finished
+    (an event: two uploads of that name later, long done). The copies are new device tensors,
+    never the buffers. Elsewhere (a CPU) the arrays are taken as they are, with no copy;
+    ``staged`` forces the buffers there (not page-locked, no events: a test of the turns)."""
+
+    def __init__(self, device: torch.device, staged: bool | None = None) -> None:
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.staged = self.cuda if staged is None else staged
+        self.slots: dict[str, list] = {}  # name -> two [buffer, event of its last copy]
+        self.turn: dict[str, int] = {}
+
+    def __call__(self, name: str, array: np.ndarray) -> torch.Tensor:
+        if not self.staged:
+            return torch.as_tensor(array, device=self.device)
+        k = self.turn[name] = 1 - self.turn.get(name, 1)
+        slot = self.slots.setdefault(name, [[None, None], [None, None]])[k]
+        buf, done = slot
+        if done is not None:
+            done.synchronize()
+        src = torch.from_numpy(np.ascontiguousarray(array))
+        if buf is None or buf.dtype != src.dtype or buf.numel() < src.numel():
+            size = max(src.numel() + src.numel() // 4, 1)  # room to grow a little
+            buf = slot[0] = torch.empty(size, dtype=src.dtype, pin_memory=self.cuda)
+        staging = buf[: src.numel()].view(src.shape)
+        staging.copy_(src)
+        out = torch.empty(src.shape, dtype=src.dtype, device=self.device)
+        out.copy_(staging, non_blocking=self.cuda)
+        if self.cuda:
+            slot[1] = torch.cuda.Event()
+            slot[1].record(torch.cuda.current_stream(self.device))
+        return out
+
+
 def linear_uploads(
-    host: LinearHost, split: PaddedSplit, neg_step: np.ndarray
+    host: LinearHost, split: PaddedSplit, neg_step: np.ndarray, upload: Uploads | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The device's copy of a round's :class:`LinearHost` (None: no step): two uploads (on a
-    GPU a copy from pageable memory waits for the queued kernels), the floats (2, sum A, B)
+    """The device's copy of a round's :class:`LinearHost` (None: no step): two uploads
+    (through ``upload``; None: copies from pageable memory), the floats (2, sum A, B)
     -step * weight / B and -y, and the indices (sum A + sum A * B) rows then sample indices;
     :func:`linear_plan` works out the rest on the device. ``neg_step`` (L,) float32 is each
     peer's -lr * factor * lr_scale. The planner's thread laid them out, so the round's own
@@ -424,8 +463,8 @@ def linear_uploads(
     host.scaled = True  # before the scaling: one that fails half-way is not retried
     with np.errstate(invalid="ignore", over="ignore"):  # a NaN lr: the finite check names it
         host.floats[0] *= neg_step[host.r_all][:, None]  # (sum A, B) f32
-    dev = split.y.device
-    return torch.as_tensor(host.floats, device=dev), torch.as_tensor(host.ints, device=dev)
+    upload = upload or Uploads(split.y.device, staged=False)
+    return upload("floats", host.floats), upload("ints", host.ints)
 
 
 def linear_plan(

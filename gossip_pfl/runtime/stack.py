@@ -20,7 +20,7 @@ from torch.func import functional_call, vmap
 
 from gossip_pfl.errors import GossipError
 from gossip_pfl.models import Linear
-from gossip_pfl.runtime.data import linear_plan, linear_uploads
+from gossip_pfl.runtime.data import Uploads, linear_plan, linear_uploads
 from gossip_pfl.runtime.graphs import GraphReplay
 
 
@@ -104,6 +104,7 @@ class BatchedForward:
         self.kernels = self.closed_form and cpu_kernels
         # on a GPU, the closed form's steps as one CUDA graph (runtime/graphs.py)
         self.graphs = GraphReplay() if self.closed_form and cuda_graphs else None
+        self._uploads: Uploads | None = None  # the fused round's uploads (linear_sgd_round)
         if self.kernels:
             try:  # numba loads only for these
                 from gossip_pfl.runtime import kernels
@@ -292,7 +293,9 @@ class BatchedForward:
         if isinstance(q, PendingEStep):
             raise RuntimeError("a pending E-step needs the compiled CPU loops (kernels)")
         host = host[0]
-        uploads = linear_uploads(host, split, neg_step)
+        if self._uploads is None or self._uploads.device != theta.device:
+            self._uploads = Uploads(theta.device)  # page-locked buffers kept across rounds
+        uploads = linear_uploads(host, split, neg_step, self._uploads)
         if uploads is None:  # no peer takes a step
             return
         inputs = (*uploads, *(() if q is None else (q,)))
