@@ -1,7 +1,8 @@
 """LocalSGD's in-place step (views for a slice of peers; one gather and one copy back for
 indexed ones) against its definition: torch.optim.SGD's update per peer (dampening 0), bit for
-bit against the formula written one term at a time, and to float tolerance against
-torch.optim.SGD itself over several steps. Peers outside the step are left alone."""
+bit against the formula written one term at a time (the GPU's fused forms to float rounding),
+and to float tolerance against torch.optim.SGD itself over several steps. Peers outside the
+step are left alone."""
 
 from __future__ import annotations
 
@@ -49,7 +50,13 @@ def draw(seed: int, a: int):
 @pytest.mark.parametrize("name", SOLVERS)
 @pytest.mark.parametrize("where", ROWS)
 @pytest.mark.parametrize("corrected", [False, True])
-def test_step_gives_the_definitions_bits(name, where, corrected):
+@pytest.mark.parametrize("fused", [False, True])
+def test_step_gives_the_definitions_bits(name, where, corrected, fused, monkeypatch):
+    """The CPU's step: the definition's bits. The fused forms a GPU's step takes
+    (``solver.FUSED_ON``), forced on the CPU: its numbers to float rounding."""
+    from gossip_pfl.runtime import solver as module
+
+    monkeypatch.setattr(module, "FUSED_ON", ("cpu",) if fused else ())
     solver, rows = SOLVERS[name], ROWS[where]
     rows = rows if isinstance(rows, slice) else torch.tensor(rows)
     a = len(range(L)[rows]) if isinstance(rows, slice) else len(rows)
@@ -64,8 +71,12 @@ def test_step_gives_the_definitions_bits(name, where, corrected):
                                       anchor, correction)  # fmt: skip
     inputs = [t.clone() for t in (grad, anchor, *([correction] if corrected else []))]
     solver.step(theta, grad, state, rows, scale, 0.1, anchor, correction)
-    assert torch.equal(theta, want_theta)
-    assert torch.equal(state.momentum, want_mom)
+    if fused:
+        torch.testing.assert_close(theta, want_theta, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(state.momentum, want_mom, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(theta, want_theta)
+        assert torch.equal(state.momentum, want_mom)
     # the caller's gradient, anchor and correction are not scratch buffers
     for before, after in zip(inputs, (grad, anchor, correction)):
         assert torch.equal(before, after)
@@ -73,31 +84,6 @@ def test_step_gives_the_definitions_bits(name, where, corrected):
     took[rows] = True
     assert torch.equal(state.eta[took], (solver.lr * 0.1) * scale[took].double())
     assert (state.eta[~took] == 0).all()
-
-
-@pytest.mark.parametrize("name", SOLVERS)
-@pytest.mark.parametrize("where", ROWS)
-def test_fused_step_gives_the_definition_to_rounding(name, where, monkeypatch):
-    """The fused forms a GPU's step takes (``solver.FUSED_ON``), forced on the CPU: the
-    definition's numbers to float rounding, the caller's gradient untouched, the rows outside
-    the step left alone."""
-    from gossip_pfl.runtime import solver as module
-
-    monkeypatch.setattr(module, "FUSED_ON", ("cpu",))
-    solver, rows = SOLVERS[name], ROWS[where]
-    rows = rows if isinstance(rows, slice) else torch.tensor(rows)
-    a = len(range(L)[rows]) if isinstance(rows, slice) else len(rows)
-    theta, grad, anchor = draw(3, a)
-    state = solver.init(theta)
-    state.momentum.normal_(generator=torch.Generator().manual_seed(5))
-    scale = torch.rand(L, generator=torch.Generator().manual_seed(6)) + 0.5
-    want_theta, want_mom = definition(solver, theta, grad, state.momentum, rows, scale, 0.1,
-                                      anchor, None)  # fmt: skip
-    before = grad.clone()
-    solver.step(theta, grad, state, rows, scale, 0.1, anchor)
-    torch.testing.assert_close(theta, want_theta, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(state.momentum, want_mom, rtol=1e-6, atol=1e-6)
-    assert torch.equal(grad, before)
 
 
 def test_steps_equal_torch_optim_sgd_per_peer():
