@@ -279,17 +279,17 @@ def step_plan(
     A step of some of the peers gathers their rows and writes them back: with a CNN's
     millions of parameters a peer, five passes over them a step. With ``prefix``, where no peer
     sits out a step and comes back in a later one, and the steps leave out at least L
-    peer-steps in all, the peers are instead ordered by their number of
-    steps, most first (ties in rank order): every step's peers are then the first A of that
-    order, its ``sel`` is ``slice(0, A)`` of the stack reordered once for the round, and its
-    ``rows`` are those peers in that order. The reordering costs about eight passes over the
-    stack a round (in and out, through a temporary). A peer's numbers change only by rounding:
-    the step's batched calls group its peers differently (the trainer takes it where
-    ``REORDER_ON`` says)."""
+    peer-steps in all, the peers are instead ordered by their number of steps, most first
+    (ties in rank order): every step's peers are then the first A of that order, its ``sel``
+    is ``slice(0, A)`` of the stack reordered once for the round, and its ``rows`` are those
+    peers in that order. The reordering costs about eight passes over the stack a round (in
+    and out, through a temporary). A peer's numbers change only by rounding: the step's
+    batched calls group its peers differently (the trainer takes it where ``REORDER_ON``
+    says)."""
     filled = (weight > 0).sum(-1)  # (S, L) real samples of each peer's batch at step s
     S, L = filled.shape
     taking = filled > 0
-    steps = taking.sum(0)  # (L,) steps each peer takes: every one of them first
+    steps = taking.sum(0)  # (L,) steps each peer takes
     left_out = int((L - taking.sum(1))[taking.any(1)].sum())
     order = None
     if prefix and left_out >= L and np.array_equal(taking, np.arange(S)[:, None] < steps):

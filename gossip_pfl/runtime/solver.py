@@ -54,7 +54,7 @@ class LocalSGD:
         pass
 
     def permute_rows(self, state: SGDState, order: torch.Tensor) -> None:
-        """Put the peers' state in ``order`` in place (row i becomes row ``order[i]``), as
+        """Put the peers' state in ``order`` in place (row i takes row ``order[i]``'s), as
         the trainer does the stack for a reordered plan (:func:`gossip_pfl.runtime.data.
         step_plan`'s ``prefix``); the momentum only where a step reads it."""
         if self.momentum:
