@@ -150,7 +150,7 @@ case "${1:-}" in
         # under the device tool's 10-minute call; the H100 lease's stages took: the suite
         # 48 to 72 s (8 workers), synthetic 98 s (four runs and the anchor), ops 20 s,
         # profile 24 s, the CNN 169 s (bench_conv.py's 33 s is in `cnn`)
-        stage tests 100 $PY -m pytest -n 8 --maxprocesses 8 -rs -q --durations=12
+        stage tests 90 $PY -m pytest -n 8 --maxprocesses 8 -rs -q --durations=12
         bench 150 35 40 180 800 float32,bf16 60
         ;;
     cnn)

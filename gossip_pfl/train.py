@@ -15,6 +15,7 @@ draw is seeded per peer (data order, initialization) or per round (schedule), ne
 
 from __future__ import annotations
 
+import traceback
 from functools import partial
 from pathlib import Path
 
@@ -411,17 +412,22 @@ class Trainer(RoundLoop):
         # peers in that order, in place (a copy each, each step's peers a slice of it); the
         # rest is indexed by the peers (rows)
         scale = self.lr_scale if order is None else self.lr_scale[order]
-        if order is not None:
-            theta.copy_(theta[order])
-            self.solver.permute_rows(opt_state, order)
+        undo = []  # what is in the plan's order, put back after the steps (or an error)
         try:
-            self._plan_steps(plan, order is not None, theta, q, opt_state, scale, factor,
-                             personal, plain)  # fmt: skip
-        finally:  # back to the peers' own order (after an error too)
             if order is not None:
                 back = torch.argsort(order)
-                theta.copy_(theta[back])
-                self.solver.permute_rows(opt_state, back)
+                theta.copy_(theta[order])
+                undo.append(lambda: theta.copy_(theta[back]))
+                self.solver.permute_rows(opt_state, order)
+                undo.append(lambda: self.solver.permute_rows(opt_state, back))
+            self._plan_steps(plan, order is not None, theta, q, opt_state, scale, factor,
+                             personal, plain)  # fmt: skip
+        except BaseException as err:
+            traceback.clear_frames(err.__traceback__)  # the steps' tensors: room to put back
+            raise
+        finally:
+            for put_back in reversed(undo):
+                put_back()
         if plain:
             self._record_plain_eta(opt_state, factor, bool(plan))
 
@@ -847,6 +853,7 @@ class Trainer(RoundLoop):
         elif self.route != "star" or self.comm.rank == 0:  # the hub's, or replicated
             self.rule_state = saved
         self.client_state = {k: v[idx].to(self.device) for k, v in state["client_state"].items()}
+        self._finite_pending = None  # a check of a round the checkpoint rolls back
         self.times = dict(state["times"])
         self.kind_bytes = dict(state["kind_bytes"])
         per_rank = state["traffic"]["bytes_sent_per_rank"]

@@ -143,6 +143,9 @@ def test_uploads_rewrite_a_buffer_only_after_its_copy_ran():
 
     up = Uploads(torch.device("cuda"))
     assert up.staged
+    for _ in range(2):  # both buffers made first (an allocation might wait for the device)
+        up("floats", np.zeros(1 << 20, np.float32))
+    torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # about 0.1 s: the copies below queue behind it
     arrays = [np.full(1 << 20, i, np.float32) for i in range(5)]
     got = [up("floats", a) for a in arrays]

@@ -852,4 +852,5 @@ def test_staged_uploads_take_turns_and_hand_out_copies():
     buffers = [slot[0] for slots in up.slots.values() for slot in slots]
     assert len({b.data_ptr() for b in buffers}) == 4  # two per name
     assert not any(t.data_ptr() == b.data_ptr() for f, i in got for t in (f, i) for b in buffers)
-    assert not Uploads(torch.device("cpu")).staged  # a CPU takes the arrays as they are
+    plain = Uploads(torch.device("cpu"))  # a CPU takes the arrays as they are: no copy
+    assert not plain.staged and plain("floats", arrays[0]).data_ptr() == arrays[0].ctypes.data
