@@ -76,27 +76,52 @@ def conv_blocks(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tenso
     ``nn.Module``'s ``x.flatten(1)``. The pooling comes before the ReLU (they commute: the ReLU
     then touches a quarter of the values).
 
-    On a CPU the peers are convolution groups: the first conv sees each peer's images once and
-    computes all M components as extra output channels (groups = L), the second runs one group
-    per (peer, component); several times faster than vmap over conv2d. On a GPU
-    (``CONV_AS_PRODUCTS``) each conv is one batched matrix product over image patches instead:
+    On a CPU the first conv is one product per peer over its images' patches, all M
+    components' channels at once (:func:`_first_block_by_products`), and the second runs one
+    convolution group per (peer, component); several times faster than vmap over conv2d. On a
+    GPU (``CONV_AS_PRODUCTS``) both convs are batched matrix products over image patches:
     cuDNN ran the grouped conv as one kernel per group (300 for the FedEM CNN's second conv),
     and on an H100 the products took a step of the full CNN (100 peers x M = 3, batch 32) from
     29.3 to 20.8 ms, and a FedEM round's local work from 1.01 to 0.89 s (docs/benchmarks.md).
-    On a CPU they were 1.2 to 2x slower than the groups. Both give the module's numbers up to
-    float rounding (tests/test_runtime.py).
+    On a CPU the second conv's products were slower than its groups. Every form gives the
+    module's numbers up to float rounding (tests/test_runtime.py).
     """
     if x.device.type in CONV_AS_PRODUCTS:
         return _conv_blocks_by_products(params, x)
     w1, w2 = params["conv1.weight"], params["conv2.weight"]
     L, M = w1.shape[:2]
     B = x.shape[1]
-    h = x.transpose(0, 1).flatten(1, 2)  # (B, L*C, H, W)
-    h = torch.conv2d(h, w1.flatten(0, 2), params["conv1.bias"].flatten(), groups=L)
-    h = torch.relu_(max_pool_2x2(h))  # (B, L*M*c1, ., .)
+    h = _first_block_by_products(x, w1, params["conv1.bias"])  # (B, L*M*c1, ., .)
     h = torch.conv2d(h, w2.flatten(0, 2), params["conv2.bias"].flatten(), groups=L * M)
     h = torch.relu_(max_pool_2x2(h))  # (B, L*M*c2, h, w)
     return h.reshape(B, L, M, -1).permute(1, 2, 0, 3)
+
+
+def _first_block_by_products(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+    """The CPU's first block, ReLU(2x2 max-pool(conv)), x (L, B, C, H, W), weight (L, M, c1,
+    C, k, k), bias (L, M, c1) -> (B, L*M*c1, H', W'), the grouped second conv's input.
+
+    One product per peer: its images' k x k windows, a ones column appended (the bias comes
+    with the product), times its M components' weights. oneDNN's grouped convolution with one
+    input channel per group ran this conv at about 2 GFLOP/s, its weights' gradient 4 to 5x
+    slower still: 33 ms against 6 for 5 peers' step of the study's CNN (2 cores). The
+    product's rows are (image, y, x), so its output is channels-last, which the pooling reads
+    without a copy (PyTorch's NCHW pooling on a CPU is about 10x slower)."""
+    L, M, c1, C, k, _ = weight.shape
+    B, (H, W) = x.shape[1], x.shape[-2:]
+    Ho, Wo, K, O = H - k + 1, W - k + 1, C * k * k, M * c1
+    dtype, where = x.dtype, x.device.type
+    if dtype == torch.float32 and torch.is_autocast_enabled(where):
+        dtype = torch.get_autocast_dtype(where)  # as bmm would: the patches copied once
+    patches = torch.empty(L, B, Ho, Wo, K + 1, dtype=dtype, device=x.device)
+    patches[..., K] = 1
+    windows = x.unfold(3, k, 1).unfold(4, k, 1).permute(0, 1, 3, 4, 2, 5, 6)  # (., C, k, k)
+    patches[..., :K].view(L, B, Ho, Wo, C, k, k).copy_(windows)
+    w = torch.cat([weight.reshape(L, O, K), bias.reshape(L, O, 1)], -1)  # (L, O, K + 1)
+    h = torch.bmm(patches.view(L, B * Ho * Wo, K + 1), w.mT)  # (L, B*Ho*Wo, O)
+    h = torch.relu_(torch.max_pool2d(h.view(L * B, Ho, Wo, O).permute(0, 3, 1, 2), 2))
+    Hp, Wp = h.shape[-2:]
+    return h.reshape(L, B, O, Hp, Wp).transpose(0, 1).reshape(B, L * O, Hp, Wp)
 
 
 def _conv_blocks_by_products(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
