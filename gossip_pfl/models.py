@@ -102,11 +102,12 @@ def _first_block_by_products(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     C, k, k), bias (L, M, c1) -> (B, L*M*c1, H', W'), the grouped second conv's input.
 
     One product per peer: its images' k x k windows, a ones column appended (the bias comes
-    with the product), times its M components' weights. oneDNN's grouped convolution with one
-    input channel per group ran this conv at about 2 GFLOP/s, its weights' gradient 4 to 5x
-    slower still: 33 ms against 6 for 5 peers' step of the study's CNN (2 cores). The
-    product's rows are (image, y, x), so its output is channels-last, which the pooling reads
-    without a copy (PyTorch's NCHW pooling on a CPU is about 10x slower)."""
+    with the product), times its M components' weights. For 5 peers' step of the study's CNN
+    (batch 32, 2 threads) oneDNN's grouped convolution with one input channel per group took
+    25 to 33 ms for the forward and the weights' gradient, the products 5 to 6 ms, and a whole
+    FedEM run got 0.70 to 0.79x (docs/benchmarks.md). The product's rows are (image, y, x), so
+    its output is channels-last, which the pooling reads without a copy (PyTorch's NCHW pooling
+    on a CPU is about 9x slower)."""
     L, M, c1, C, k, _ = weight.shape
     B, (H, W) = x.shape[1], x.shape[-2:]
     Ho, Wo, K, O = H - k + 1, W - k + 1, C * k * k, M * c1
