@@ -105,7 +105,7 @@ def _first_block_by_products(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     with the product), times its M components' weights. For 5 peers' step of the study's CNN
     (batch 32, 2 threads) oneDNN's grouped convolution with one input channel per group took
     25 to 33 ms for the forward and the weights' gradient, the products 5 to 6 ms, and a whole
-    FedEM run got 0.70 to 0.79x (docs/benchmarks.md). The product's rows are (image, y, x), so
+    FedEM run got 0.67x (docs/benchmarks.md). The product's rows are (image, y, x), so
     its output is channels-last, which the pooling reads without a copy (PyTorch's NCHW pooling
     on a CPU is about 9x slower)."""
     L, M, c1, C, k, _ = weight.shape
