@@ -67,6 +67,12 @@ CONV_AS_PRODUCTS = ("cuda",)
 #: makes at most; more goes in slices of groups. This bounds the no-grad calls (the E-step,
 #: evaluation); in training autograd keeps every slice's patches for the weights' gradient.
 PATCH_BYTES = 2 << 30
+#: a CPU's first conv runs as products (:func:`_first_block_by_products`) when its patches
+#: take at most this many bytes (larger calls, the evaluation's, keep the grouped conv's
+#: memory) and hold at most this many rows per output channel (copying wider patches, 3-channel
+#: images for few outputs, cost more than the product saved)
+CPU_PATCH_BYTES = 256 << 20
+CPU_PATCH_ROWS_PER_OUTPUT = 2
 
 
 def conv_blocks(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +83,8 @@ def conv_blocks(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tenso
     then touches a quarter of the values).
 
     On a CPU the first conv is one product per peer over its images' patches, all M
-    components' channels at once (:func:`_first_block_by_products`), and the second runs one
+    components' channels at once (:func:`_first_block_by_products`; where the patches are too
+    wide or too large, ``CPU_PATCH_*``, one convolution group per peer), and the second runs one
     convolution group per (peer, component); several times faster than vmap over conv2d. On a
     GPU (``CONV_AS_PRODUCTS``) both convs are batched matrix products over image patches:
     cuDNN ran the grouped conv as one kernel per group (300 for the FedEM CNN's second conv),
@@ -89,9 +96,16 @@ def conv_blocks(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tenso
     if x.device.type in CONV_AS_PRODUCTS:
         return _conv_blocks_by_products(params, x)
     w1, w2 = params["conv1.weight"], params["conv2.weight"]
-    L, M = w1.shape[:2]
-    B = x.shape[1]
-    h = _first_block_by_products(x, w1, params["conv1.bias"])  # (B, L*M*c1, ., .)
+    L, M, c1, C, k, _ = w1.shape
+    B, (H, W) = x.shape[1], x.shape[-2:]
+    rows = C * k * k + 1
+    patch_bytes = L * rows * B * (H - k + 1) * (W - k + 1) * x.element_size()
+    if rows <= CPU_PATCH_ROWS_PER_OUTPUT * M * c1 and patch_bytes <= CPU_PATCH_BYTES:
+        h = _first_block_by_products(x, w1, params["conv1.bias"])  # (B, L*M*c1, ., .)
+    else:
+        h = x.transpose(0, 1).flatten(1, 2)  # (B, L*C, H, W)
+        h = torch.conv2d(h, w1.flatten(0, 2), params["conv1.bias"].flatten(), groups=L)
+        h = torch.relu_(max_pool_2x2(h))  # (B, L*M*c1, ., .)
     h = torch.conv2d(h, w2.flatten(0, 2), params["conv2.bias"].flatten(), groups=L * M)
     h = torch.relu_(max_pool_2x2(h))  # (B, L*M*c2, h, w)
     return h.reshape(B, L, M, -1).permute(1, 2, 0, 3)
@@ -102,10 +116,10 @@ def _first_block_by_products(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     C, k, k), bias (L, M, c1) -> (B, L*M*c1, H', W'), the grouped second conv's input.
 
     One product per peer: its images' k x k windows, a ones column appended (the bias comes
-    with the product), times its M components' weights. For 5 peers' step of the study's CNN
-    (batch 32, 2 threads) oneDNN's grouped convolution with one input channel per group took
-    25 to 33 ms for the forward and the weights' gradient, the products 5 to 6 ms, and a whole
-    FedEM run got 0.67x (docs/benchmarks.md). The product's rows are (image, y, x), so
+    with the product), times its M components' weights. For 4 to 5 peers' step of the study's
+    CNN (batch 32, 2 threads) oneDNN's grouped convolution with one input channel per group
+    took 25 to 33 ms for the forward and the weights' gradient, the products 5 to 6 ms, and a
+    whole FedEM run got 0.67x (docs/benchmarks.md). The product's rows are (image, y, x), so
     its output is channels-last, which the pooling reads without a copy (PyTorch's NCHW pooling
     on a CPU is about 9x slower)."""
     L, M, c1, C, k, _ = weight.shape
@@ -115,7 +129,8 @@ def _first_block_by_products(x: torch.Tensor, weight: torch.Tensor, bias: torch.
     if dtype == torch.float32 and torch.is_autocast_enabled(where):
         dtype = torch.get_autocast_dtype(where)  # as bmm would: the patches copied once
     # one plane (B, Ho, Wo) per window position: the copy writes whole rows (4 to 5x faster
-    # than a window per row), and the product reads it transposed at no cost
+    # than a window per row); the product reads it transposed, a little slower than it would
+    # a contiguous copy, but far faster than making one
     patches = torch.empty(L, K + 1, B, Ho, Wo, dtype=dtype, device=x.device)
     patches[:, K] = 1
     windows = x.unfold(3, k, 1).unfold(4, k, 1).permute(0, 2, 5, 6, 1, 3, 4)  # (L, C, k, k, .)

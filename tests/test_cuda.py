@@ -86,7 +86,7 @@ def test_cuda_graph_steps_equal_eager_steps(participation, sizes, tmp_path):
 def cnn_trainer(out, device: str) -> Trainer:
     """FedEM on a small CNN with momentum and weight decay over 5 clients of 16x16 images: the
     solver's in-place step, the gradients by parameter leaf, the convolutions (patch
-    products on CUDA, grouped on the CPU)."""
+    products on CUDA; on the CPU the first as products, the second grouped)."""
     rng = np.random.default_rng(0)
     clients = []
     for i, m in enumerate([40, 25, 60, 33, 18]):

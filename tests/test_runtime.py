@@ -385,6 +385,64 @@ def test_native_batched_layers_equal_the_plain_model(name, shape, options):
     "name, shape, options",
     [
         ("cnn", (1, 28, 28), {"channels": [3, 4], "hidden": 6}),
+        ("cnn", (3, 32, 32), {"channels": [2, 5], "hidden": 4}),
+        ("cnn", (2, 30, 27), {"channels": [2, 5], "hidden": 4}),  # odd sizes: the pools floor
+        ("lenet", (1, 16, 21), {}),
+    ],
+)
+@pytest.mark.parametrize("first", ["products", "groups"])
+def test_cpu_first_convolution_in_either_form_equals_the_plain_model(
+    monkeypatch, name, shape, options, first
+):
+    """A CPU's first convolution as one product per peer over its images' patches, or as one
+    convolution group per peer (``CPU_PATCH_*`` choose; both forced here), gives the
+    per-(peer, component) nn.Module's outputs and gradients, on square and odd images."""
+    from gossip_pfl import models
+
+    monkeypatch.setattr(models, "CPU_PATCH_ROWS_PER_OUTPUT", 10**6 if first == "products" else 0)
+    calls = []
+    block = models._first_block_by_products
+    monkeypatch.setattr(models, "_first_block_by_products", lambda *a: calls.append(1) or block(*a))
+    _batched_layers_equal_the_loop(name, shape, options)
+    assert bool(calls) == (first == "products")
+
+
+@pytest.mark.parametrize(
+    "shape, c1, components, patch_bytes, products",
+    [
+        ((1, 28, 28), 8, 3, 256 << 20, True),  # the study's CNN: 26 rows for 24 outputs
+        ((1, 28, 28), 16, 1, 256 << 20, True),  # LeNet, one component: 26 for 16
+        ((3, 32, 32), 16, 1, 256 << 20, False),  # 76 rows for 16 outputs: the copy costs more
+        ((3, 32, 32), 32, 3, 256 << 20, True),  # the paper's widths on color images
+        ((1, 28, 28), 8, 3, 1 << 20, False),  # patches past the bound: the groups' memory
+    ],
+)
+def test_cpu_first_convolution_form_follows_its_patches(
+    monkeypatch, shape, c1, components, patch_bytes, products
+):
+    """The CPU takes the products where its patches hold at most 2 rows per output channel
+    and fit ``CPU_PATCH_BYTES`` (4 peers x 32 images here)."""
+    from gossip_pfl import models
+
+    monkeypatch.setattr(models, "CPU_PATCH_BYTES", patch_bytes)
+    calls = []
+    block = models._first_block_by_products
+    monkeypatch.setattr(models, "_first_block_by_products", lambda *a: calls.append(1) or block(*a))
+    C = shape[0]
+    params = {
+        "conv1.weight": torch.randn(4, components, c1, C, 5, 5),
+        "conv1.bias": torch.randn(4, components, c1),
+        "conv2.weight": torch.randn(4, components, 4, c1, 5, 5),
+        "conv2.bias": torch.randn(4, components, 4),
+    }
+    models.conv_blocks(params, torch.randn(4, 32, *shape))
+    assert bool(calls) == products
+
+
+@pytest.mark.parametrize(
+    "name, shape, options",
+    [
+        ("cnn", (1, 28, 28), {"channels": [3, 4], "hidden": 6}),
         ("cnn", (2, 30, 27), {"channels": [2, 5], "hidden": 4}),  # odd sizes: the pools floor
         ("lenet", (1, 16, 21), {}),
     ],
@@ -413,10 +471,14 @@ def test_convolutions_as_products_equal_the_plain_model(monkeypatch, name, shape
     assert products[:2] == [3, 6]  # the products ran: 3 peers, then 6 (peer, component)s
 
 
-def test_convolutions_as_products_under_bf16_autocast(monkeypatch):
-    """Under bf16 autocast the products (which copy the patches in bf16) and the grouped
-    convolutions give the same logits and gradients up to bf16 rounding."""
+@pytest.mark.parametrize("first", ["products", "groups"])
+def test_convolutions_as_products_under_bf16_autocast(monkeypatch, first):
+    """Under bf16 autocast the GPU's products (which copy the patches in bf16) and the CPU's
+    form (its first convolution as products or groups, its second grouped) give the same
+    logits and gradients up to bf16 rounding."""
     from gossip_pfl import models
+
+    monkeypatch.setattr(models, "CPU_PATCH_ROWS_PER_OUTPUT", 10**6 if first == "products" else 0)
 
     torch.manual_seed(0)
     model = models.build_model("cnn", (1, 28, 28), 4, channels=[3, 4], hidden=6)
