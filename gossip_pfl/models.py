@@ -111,7 +111,9 @@ def conv_blocks(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tenso
     return h.reshape(B, L, M, -1).permute(1, 2, 0, 3)
 
 
-def _first_block_by_products(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor):
+def _first_block_by_products(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
+) -> torch.Tensor:
     """The CPU's first block, ReLU(2x2 max-pool(conv)), x (L, B, C, H, W), weight (L, M, c1,
     C, k, k), bias (L, M, c1) -> (B, L*M*c1, H', W'), the grouped second conv's input.
 
