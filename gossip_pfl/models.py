@@ -125,18 +125,15 @@ def _first_block_by_products(
     its output is channels-last, which the pooling reads without a copy (PyTorch's NCHW pooling
     on a CPU is about 9x slower)."""
     L, M, c1, C, k, _ = weight.shape
-    B, (H, W) = x.shape[1], x.shape[-2:]
-    Ho, Wo, K, O = H - k + 1, W - k + 1, C * k * k, M * c1
-    dtype, where = x.dtype, x.device.type
-    if dtype == torch.float32 and torch.is_autocast_enabled(where):
-        dtype = torch.get_autocast_dtype(where)  # as bmm would: the patches copied once
+    windows = _windows(x.transpose(1, 2), k)  # (L, C, k, k, B, Ho, Wo)
+    B, Ho, Wo = windows.shape[-3:]
+    K, O = C * k * k, M * c1
     # one plane (B, Ho, Wo) per window position: the copy writes whole rows (4 to 5x faster
     # than a window per row); the product reads it transposed, a little slower than it would
     # a contiguous copy, but far faster than making one
-    patches = torch.empty(L, K + 1, B, Ho, Wo, dtype=dtype, device=x.device)
+    patches = x.new_empty(L, K + 1, B, Ho, Wo, dtype=_product_dtype(x))
     patches[:, K] = 1
-    windows = x.unfold(3, k, 1).unfold(4, k, 1).permute(0, 2, 5, 6, 1, 3, 4)  # (L, C, k, k, .)
-    patches[:, :K].view(L, C, k, k, B, Ho, Wo).copy_(windows)
+    patches[:, :K].view(windows.shape).copy_(windows)
     w = torch.cat([weight.reshape(L, O, K), bias.reshape(L, O, 1)], -1)  # (L, O, K + 1)
     h = torch.bmm(patches.view(L, K + 1, B * Ho * Wo).mT, w.mT)  # (L, B*Ho*Wo, O)
     h = torch.relu_(torch.max_pool2d(h.view(L * B, Ho, Wo, O).permute(0, 3, 1, 2), 2))
@@ -172,8 +169,7 @@ def _conv_pool_relu(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -
     N, C, B, H, W = h.shape
     O, k = weight.shape[1], weight.shape[-1]
     Ho, Wo = H - k + 1, W - k + 1
-    if h.dtype == torch.float32 and torch.is_autocast_enabled(h.device.type):
-        h = h.to(torch.get_autocast_dtype(h.device.type))  # as baddbmm would: copy the patches once
+    h = h.to(_product_dtype(h))
     per_group = max(C * k * k, O) * B * Ho * Wo * h.element_size()
     per_slice = max(1, PATCH_BYTES // max(per_group, 1))  # groups
     outs = []
@@ -181,13 +177,27 @@ def _conv_pool_relu(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -
         part = h[i : i + per_slice]
         n = part.shape[0]
         # every k x k window as a view, then one copy in the product's layout
-        patches = part.unfold(3, k, 1).unfold(4, k, 1)  # (n, C, B, Ho, Wo, k, k)
-        patches = patches.permute(0, 1, 5, 6, 2, 3, 4).reshape(n, C * k * k, B * Ho * Wo)
+        patches = _windows(part, k).reshape(n, C * k * k, B * Ho * Wo)
         w = weight[i : i + per_slice].reshape(n, O, C * k * k)
         out = torch.baddbmm(bias[i : i + per_slice].unsqueeze(-1), w, patches)
         out = torch.max_pool2d(out.view(n * O, B, Ho, Wo), 2)
         outs.append(torch.relu_(out).view(n, O, B, Ho // 2, Wo // 2))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def _windows(h: torch.Tensor, k: int) -> torch.Tensor:
+    """Every k x k window (stride 1) of h (N, C, B, H, W) as a view (N, C, k, k, B, Ho, Wo):
+    copied, one plane of (B, Ho, Wo) per window position, the patches of a product."""
+    return h.unfold(3, k, 1).unfold(4, k, 1).permute(0, 1, 5, 6, 2, 3, 4)
+
+
+def _product_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a product of ``x``'s patches runs in: autocast's where it is on (copying the
+    patches in it once, as the product would again), else ``x``'s."""
+    where = x.device.type
+    if x.dtype == torch.float32 and torch.is_autocast_enabled(where):
+        return torch.get_autocast_dtype(where)
+    return x.dtype
 
 
 class Linear(nn.Module):

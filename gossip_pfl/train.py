@@ -761,11 +761,10 @@ class Trainer(RoundLoop):
             flag[:] = torch.where(bad.any(), first, 0).double()
         if multi:
             self.comm.all_reduce_sum(flag[1:])
+        self._finite_pending = (t, flag)
         if not queue:
-            self._finite_pending = (t, flag)
             return self._finite_checked()
         if self.device.type != "cuda":  # (a test queues it on the CPU)
-            self._finite_pending = (t, flag)
             return
         if self._finite_host is None:  # one page-locked buffer: read before the next copy
             self._finite_host = torch.empty(2, dtype=torch.float64, pin_memory=True)
