@@ -85,12 +85,14 @@ def conv_blocks(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tenso
     On a CPU the first conv is one product per peer over its images' patches, all M
     components' channels at once (:func:`_first_block_by_products`; where the patches are too
     wide or too large, ``CPU_PATCH_*``, one convolution group per peer), and the second runs one
-    convolution group per (peer, component); several times faster than vmap over conv2d. On a
-    GPU (``CONV_AS_PRODUCTS``) both convs are batched matrix products over image patches:
-    cuDNN ran the grouped conv as one kernel per group (300 for the FedEM CNN's second conv),
-    and on an H100 the products took a step of the full CNN (100 peers x M = 3, batch 32) from
-    29.3 to 20.8 ms, and a FedEM round's local work from 1.01 to 0.89 s (docs/benchmarks.md).
-    On a CPU the second conv's products were slower than its groups. Every form gives the
+    convolution group per (peer, component) on channels-last images, which oneDNN's grouped
+    kernel reads faster (its forward 0.54x NCHW's for a step of the Fashion-MNIST study's
+    calls); several times faster than vmap over conv2d. On a GPU (``CONV_AS_PRODUCTS``) both
+    convs are batched matrix products over image patches: cuDNN ran the grouped conv as one
+    kernel per group (300 for the FedEM CNN's second conv), and on an H100 the products took a
+    step of the full CNN (100 peers x M = 3, batch 32) from 29.3 to 20.8 ms, and a FedEM
+    round's local work from 1.01 to 0.89 s (docs/benchmarks.md). On a CPU the second conv's
+    products were slower than its groups. Every form gives the
     module's numbers up to float rounding (tests/test_runtime.py).
     """
     if x.device.type in CONV_AS_PRODUCTS:
@@ -106,8 +108,9 @@ def conv_blocks(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tenso
         h = x.transpose(0, 1).flatten(1, 2)  # (B, L*C, H, W)
         h = torch.conv2d(h, w1.flatten(0, 2), params["conv1.bias"].flatten(), groups=L)
         h = torch.relu_(max_pool_2x2(h))  # (B, L*M*c1, ., .)
+    h = h.contiguous(memory_format=torch.channels_last)
     h = torch.conv2d(h, w2.flatten(0, 2), params["conv2.bias"].flatten(), groups=L * M)
-    h = torch.relu_(max_pool_2x2(h))  # (B, L*M*c2, h, w)
+    h = torch.relu_(torch.max_pool2d(h, 2))  # (B, L*M*c2, h, w)
     return h.reshape(B, L, M, -1).permute(1, 2, 0, 3)
 
 
@@ -115,7 +118,8 @@ def _first_block_by_products(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
 ) -> torch.Tensor:
     """The CPU's first block, ReLU(2x2 max-pool(conv)), x (L, B, C, H, W), weight (L, M, c1,
-    C, k, k), bias (L, M, c1) -> (B, L*M*c1, H', W'), the grouped second conv's input.
+    C, k, k), bias (L, M, c1) -> (B, L*M*c1, H', W') channels-last, the grouped second conv's
+    input.
 
     One product per peer: its images' k x k windows, a ones column appended (the bias comes
     with the product), times its M components' weights. For 4 to 5 peers' step of the study's
@@ -138,7 +142,8 @@ def _first_block_by_products(
     h = torch.bmm(patches.view(L, K + 1, B * Ho * Wo).mT, w.mT)  # (L, B*Ho*Wo, O)
     h = torch.relu_(torch.max_pool2d(h.view(L * B, Ho, Wo, O).permute(0, 3, 1, 2), 2))
     Hp, Wp = h.shape[-2:]
-    return h.reshape(L, B, O, Hp, Wp).transpose(0, 1).reshape(B, L * O, Hp, Wp)
+    h = h.reshape(L, B, O, Hp, Wp).permute(1, 3, 4, 0, 2).contiguous()  # (B, Hp, Wp, L, O)
+    return h.view(B, Hp, Wp, L * O).permute(0, 3, 1, 2)
 
 
 def _conv_blocks_by_products(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
