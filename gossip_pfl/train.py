@@ -284,6 +284,7 @@ class Trainer(RoundLoop):
         self.steps_taken = torch.zeros(L, dtype=torch.float64, device=self.device)
         self._taken = np.zeros(L)  # steps_taken on the host: uploaded only when it changes
         self._everyone = torch.ones(L, dtype=torch.bool, device=self.device)
+        self.participants: np.ndarray | None = None  # this round's (local_work sets it)
         self.track_loss = "loss" in self.rule.scalars
         self.line_search = isinstance(self.solver, LocalArmijo)
         # the line search's grow reset: 2^(1 / batches per epoch)
@@ -348,6 +349,7 @@ class Trainer(RoundLoop):
         theta = self.nodes[:L]
         self.start = theta.clone() if self.keep_start else None
         # (with fuses_e_step, q and the personal state are filled during the local steps)
+        self.participants = None if mine.all() else mine
         personal, q = self.surrogate.begin_round(self, theta, self.personal, self.train.mask)
         a = self.cfg.algorithm
         factor = self.solver.factor(t, self.cfg.rounds)
@@ -623,14 +625,19 @@ class Trainer(RoundLoop):
 
     # ---- measurements ---------------------------------------------------------------------
     @torch.no_grad()
-    def train_losses(self, theta: torch.Tensor, split: PaddedSplit | None = None) -> torch.Tensor:
+    def train_losses(
+        self,
+        theta: torch.Tensor,
+        split: PaddedSplit | None = None,
+        active: np.ndarray | None = None,
+    ) -> torch.Tensor:
         """Every sample's loss under every component: (L, M, N_max), 0 on padding (training
-        data by default)."""
+        data by default); with ``active`` (L,) bool, only those peers' (the others' rows 0)."""
         split = split or self.train
         if self.forward.closed_form and self.task == "binary":
             return self.forward.linear_losses(theta, split, self.eval_chunk)
         losses = torch.zeros(*theta.shape[:2], split.y.shape[1], device=self.device)
-        for rows, sl, x, y, _ in split.chunks(self.eval_chunk):
+        for rows, sl, x, y, _ in split.chunks(self.eval_chunk, active):
             losses[rows, :, sl] = sample_loss(self.forward(theta[rows], x), y, self.task)
         return losses
 

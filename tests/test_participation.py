@@ -124,6 +124,36 @@ def test_fedem_clients_not_sampled_keep_parameters_and_pi(tmp_path):
     assert (trainer.personal["pi"][~drawn] == 0.5).all()
 
 
+def test_fedem_e_step_works_out_only_the_participants(tmp_path, monkeypatch):
+    """With partial participation the E-step computes the losses of the round's participants
+    only (the others' were thrown away), and the rounds give the numbers of an E-step over
+    every peer."""
+    cfg = cfg_for(tmp_path, "fedem", participation=3, components=2, momentum=0.5)
+    cfg.model.name, cfg.model.options = "mlp", {"hidden": [6]}  # not the closed form
+    fast, full = trainer_for(cfg), trainer_for(cfg)
+    every = full.train_losses  # the reference: every peer's losses, as before
+    monkeypatch.setattr(full, "train_losses", lambda theta, split=None, active=None: every(theta))
+    seen, losses_of = [], fast.train_losses
+
+    def spy(theta, split=None, active=None):
+        seen.append((active, losses_of(theta, split, active)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(fast, "train_losses", spy)
+    for t in range(3):
+        active = fast.sample(t)
+        for trainer in (fast, full):
+            trainer.local_work(t, active)
+            trainer.communicate(t, active)
+        asked, losses = seen[-1]
+        np.testing.assert_array_equal(asked, active)
+        assert (losses[~active] == 0).all() and (losses[active].sum(-1) > 0).all()
+    assert len(seen) == 3
+    # (the same numbers; the E-step's calls hold other peers, so allow float rounding)
+    torch.testing.assert_close(fast.nodes, full.nodes, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(fast.personal["pi"], full.personal["pi"], rtol=1e-6, atol=1e-7)
+
+
 def test_dfedem_sitting_out_peer_unchanged_by_communicate(tmp_path):
     trainer = trainer_for(cfg_for(tmp_path, "dfedem", participation=4, schedule=RING,
                                   components=2))  # fmt: skip

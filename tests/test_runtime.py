@@ -601,26 +601,34 @@ def test_call_sizes_come_from_the_model_hint_unless_configured(tmp_path):
     assert linear.peer_pieces(300, 128) == [slice(0, 300)]
 
 
+@pytest.mark.parametrize("dense", [False, True], ids=["cpu", "gpu_layout"])
+@pytest.mark.parametrize("active", [None, [0, 1, 0, 1, 1, 0], [0, 0, 0, 0, 0, 1]])
 @pytest.mark.parametrize("budget", [1, 7, 40, 10_000])
-def test_evaluation_chunks_cover_each_real_sample_once(budget):
+def test_evaluation_chunks_cover_each_real_sample_once(budget, active, dense, monkeypatch):
     """Pieces skip padding-only peers, stay within the sample budget (when it allows a whole
-    column), and together visit every real (peer, sample) exactly once."""
+    column), and together visit every real (peer, sample) exactly once; with ``active`` (a
+    round's participants: the E-step), those peers' samples only. ``dense``: a GPU's layout
+    (one call over the stack where the budget allows)."""
+    from gossip_pfl.runtime import data
     from gossip_pfl.runtime.data import PaddedSplit
 
+    monkeypatch.setattr(data, "dense_layout", lambda device: dense)
     sizes = [0, 1, 5, 17, 3, 40]
     xs = [np.full((n, 2), i, dtype=np.float32) for i, n in enumerate(sizes)]
     ys = [np.arange(n) for n in sizes]
     split = PaddedSplit.build(xs, ys, torch.device("cpu"))
+    on = np.ones(len(sizes), bool) if active is None else np.array(active, bool)
     seen = np.zeros((len(sizes), max(sizes)), dtype=int)
-    for rows, sl, x, y, mask in split.chunks(budget):
+    for rows, sl, x, y, mask in split.chunks(budget, None if active is None else on):
         assert x.shape[:2] == y.shape == mask.shape and len(rows) == x.shape[0]
         assert x.shape[0] * x.shape[1] <= max(budget, x.shape[1])
         assert (split.counts[rows] > sl.start).all()  # no padding-only peer
+        assert on[rows.numpy()].all()  # no peer sitting out
         torch.testing.assert_close(x[:, 0, 0], rows.float())  # rows are the right peers
         for r, m in zip(rows.tolist(), mask):
             seen[r, sl][m.cpu().numpy() > 0] += 1
-    expected = (np.arange(max(sizes))[None, :] < np.array(sizes)[:, None]).astype(int)
-    np.testing.assert_array_equal(seen, expected)
+    expected = (np.arange(max(sizes))[None, :] < np.array(sizes)[:, None]) & on[:, None]
+    np.testing.assert_array_equal(seen, expected.astype(int))
 
 
 def test_padded_split_views_back_to_back_inputs_and_pads_the_rest():

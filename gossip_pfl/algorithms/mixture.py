@@ -51,7 +51,8 @@ class MixtureSurrogate:
         if getattr(ctx, "fuses_e_step", False):
             pending = PendingEStep.of(personal["pi"], mask.shape[1], self.q_smoothing)
             return {**personal, "pi": pending.pi}, pending
-        return self.update_personal(personal, ctx.train_losses(theta), mask)
+        losses = ctx.train_losses(theta, active=ctx.participants)  # the others' rows: 0
+        return self.update_personal(personal, losses, mask)
 
     def shared_grad(self, ctx, theta, personal, rows, x, y, sw):
         """q-weighted local loss: each component sees the samples it is responsible for."""

@@ -83,7 +83,9 @@ class PaddedSplit:
         """The counts on the host (planning chunks must not wait on the device)."""
         return self.counts.cpu().numpy()
 
-    def chunk_plan(self, budget: int) -> list[tuple[torch.Tensor, torch.Tensor | slice, slice]]:
+    def chunk_plan(
+        self, budget: int, active: np.ndarray | None = None
+    ) -> list[tuple[torch.Tensor, torch.Tensor | slice, slice]]:
         """(rows, how to index them, sample slice) pieces that cover every real sample once,
         each holding at most about ``budget`` samples over all its peers; planned once per
         budget (counts never change). A piece starts where the previous one ended and ends
@@ -92,16 +94,24 @@ class PaddedSplit:
         real work, in a few pieces (a handful of kernels each) rather than one per 32
         positions. A piece holding every peer indexes them with a slice, so its inputs are
         views, not copies (the synthetic test split is 900 MB: copying it cost more than the
-        products)."""
+        products). ``active`` (L,) bool: only those peers' samples (a round's participants;
+        planned anew each time)."""
+        if active is not None and not active.all():
+            return self._plan(budget, np.where(active, self.host_counts, 0))
         plans = self.__dict__.setdefault("_plans", {})
-        if budget in plans:
-            return plans[budget]
-        counts, L = self.host_counts, len(self.host_counts)
-        n_max = self.y.shape[1]
-        if dense_layout(self.y.device) and 0 < L * n_max <= budget:
+        if budget not in plans:
+            plans[budget] = self._plan(budget, self.host_counts)
+        return plans[budget]
+
+    def _plan(self, budget: int, counts: np.ndarray) -> list[tuple]:
+        """:meth:`chunk_plan` of the samples ``counts`` (L,) (a peer's first ones)."""
+        L, n_max, device = len(counts), int(counts.max(initial=0)), self.y.device
+        if dense_layout(device) and 0 < L * n_max <= budget:
             # a GPU: one call over the padded stack (views), its padding cheaper than calls
-            plans[budget] = [(torch.arange(L, device=self.y.device), slice(None), slice(0, n_max))]
-            return plans[budget]
+            if (counts > 0).all():
+                return [(torch.arange(L, device=device), slice(None), slice(0, n_max))]
+            rows = torch.as_tensor(np.flatnonzero(counts > 0), device=device)
+            return [(rows, rows, slice(0, n_max))]
         plan, start = [], 0
         while start < n_max:
             active = np.flatnonzero(counts > start)
@@ -111,13 +121,12 @@ class PaddedSplit:
             cap = max(1, budget // len(active))  # all of them in one call
             width = max(min(half - start, cap), min(32, budget, n_max - start), 1)
             sl = slice(start, min(start + width, n_max))
-            rows = torch.as_tensor(active, device=self.y.device)
+            rows = torch.as_tensor(active, device=device)
             if len(active) == L and cap >= width:
                 plan.append((rows, slice(None), sl))
             else:
                 plan.extend((r, r, sl) for r in rows.split(max(1, budget // width)))
             start = sl.stop
-        plans[budget] = plan
         return plan
 
     @cached_property
@@ -170,10 +179,10 @@ class PaddedSplit:
         self.__dict__[key] = pieces
         return pieces
 
-    def chunks(self, budget: int):
+    def chunks(self, budget: int, active: np.ndarray | None = None):
         """Yield (rows, sample slice, x, y, mask) pieces of :meth:`chunk_plan`."""
         mask = self.mask
-        for rows, at, sl in self.chunk_plan(budget):
+        for rows, at, sl in self.chunk_plan(budget, active):
             yield rows, sl, self.x[at, sl], self.y[at, sl], mask[at, sl]
 
 
