@@ -568,8 +568,9 @@ def test_local_steps_in_peer_pieces_equal_one_piece(algorithm, tmp_path):
 
 
 def test_call_sizes_come_from_the_model_hint_unless_configured(tmp_path):
-    """On a CPU the CNN's hint (about 8 MiB of first-conv output per call) sets both budgets;
-    a configured value wins; a model without a hint keeps whole steps and 16384 for eval."""
+    """On a CPU the CNN's and LeNet's hint (about 8 MiB of first-conv output per call) sets
+    both budgets; a configured value wins; a model without a hint keeps whole steps and 16384
+    for eval."""
     from gossip_pfl.data.base import ClientData, FederatedDataset
 
     rng = np.random.default_rng(0)
@@ -582,9 +583,8 @@ def test_call_sizes_come_from_the_model_hint_unless_configured(tmp_path):
 
     def trainer(model, data, **overrides):
         cfg = make_cfg(tmp_path, algorithm="dfedem", components=3)
-        cfg.model.name, cfg.model.options = model, {"channels": [8, 16], "hidden": 8}
-        if model == "linear":
-            cfg.model.options = {}
+        options = {"cnn": {"channels": [8, 16], "hidden": 8}, "mlp": {"hidden": [8]}}
+        cfg.model.name, cfg.model.options = model, options.get(model, {})
         for key, value in overrides.items():
             section, name = key.split("__")
             setattr(getattr(cfg, section), name, value)
@@ -596,6 +596,10 @@ def test_call_sizes_come_from_the_model_hint_unless_configured(tmp_path):
     assert [p.stop - p.start for p in cnn.peer_pieces(13, 32)] == [hint // 32] * 3 + [1]
     set_by_hand = trainer("cnn", images, runtime__step_chunk=64, eval__chunk=100)
     assert (set_by_hand.step_chunk, set_by_hand.eval_chunk) == (64, 100)
+    lenet = trainer("lenet", images)  # 16 first-conv channels
+    assert lenet.step_chunk == lenet.eval_chunk == (8 << 20) // (4 * 3 * 16 * 24 * 24)
+    mlp = trainer("mlp", images)
+    assert (mlp.step_chunk, mlp.eval_chunk) == (0, 16384)
     linear = trainer("linear", toy_dataset(3))
     assert (linear.step_chunk, linear.eval_chunk) == (0, 1 << 20)  # closed form
     assert linear.peer_pieces(300, 128) == [slice(0, 300)]
