@@ -92,8 +92,8 @@ def conv_blocks(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tenso
     kernel per group (300 for the FedEM CNN's second conv), and on an H100 the products took a
     step of the full CNN (100 peers x M = 3, batch 32) from 29.3 to 20.8 ms, and a FedEM
     round's local work from 1.01 to 0.89 s (docs/benchmarks.md). On a CPU the second conv's
-    products were slower than its groups. Every form gives the
-    module's numbers up to float rounding (tests/test_runtime.py).
+    products were slower than its groups. Every form gives the module's numbers up to float
+    rounding (tests/test_runtime.py).
     """
     if x.device.type in CONV_AS_PRODUCTS:
         return _conv_blocks_by_products(params, x)

@@ -612,7 +612,7 @@ def test_evaluation_chunks_cover_each_real_sample_once(budget, active, dense, mo
     """Pieces skip padding-only peers, stay within the sample budget (when it allows a whole
     column), and together visit every real (peer, sample) exactly once; with ``active`` (a
     round's participants: the E-step), those peers' samples only. ``dense``: a GPU's layout
-    (one call over the stack where the budget allows)."""
+    (one call over the stack where the budget allows: every peer's row, as views)."""
     from gossip_pfl.runtime import data
     from gossip_pfl.runtime.data import PaddedSplit
 
@@ -626,7 +626,8 @@ def test_evaluation_chunks_cover_each_real_sample_once(budget, active, dense, mo
     for rows, sl, x, y, mask in split.chunks(budget, None if active is None else on):
         assert x.shape[:2] == y.shape == mask.shape and len(rows) == x.shape[0]
         assert x.shape[0] * x.shape[1] <= max(budget, x.shape[1])
-        assert (split.counts[rows] > sl.start).all()  # no padding-only peer
+        if not (dense and active is None and budget >= 6 * 40):  # (the stack's views)
+            assert (split.counts[rows] > sl.start).all()  # no padding-only peer
         assert on[rows.numpy()].all()  # no peer sitting out
         torch.testing.assert_close(x[:, 0, 0], rows.float())  # rows are the right peers
         for r, m in zip(rows.tolist(), mask):

@@ -97,18 +97,21 @@ class PaddedSplit:
         products). ``active`` (L,) bool: only those peers' samples (a round's participants;
         planned anew each time)."""
         if active is not None and not active.all():
-            return self._plan(budget, np.where(active, self.host_counts, 0))
+            return self._plan(budget, np.where(active, self.host_counts, 0), subset=True)
         plans = self.__dict__.setdefault("_plans", {})
         if budget not in plans:
             plans[budget] = self._plan(budget, self.host_counts)
         return plans[budget]
 
-    def _plan(self, budget: int, counts: np.ndarray) -> list[tuple]:
-        """:meth:`chunk_plan` of the samples ``counts`` (L,) (a peer's first ones)."""
-        L, n_max, device = len(counts), int(counts.max(initial=0)), self.y.device
+    def _plan(self, budget: int, counts: np.ndarray, subset: bool = False) -> list[tuple]:
+        """:meth:`chunk_plan` of each peer's first ``counts`` (L,) samples (``subset``: of
+        the peers with a count, the others sitting out)."""
+        L, device = len(counts), self.y.device
+        n_max = int(counts.max(initial=0)) if subset else self.y.shape[1]
         if dense_layout(device) and 0 < L * n_max <= budget:
-            # a GPU: one call over the padded stack (views), its padding cheaper than calls
-            if (counts > 0).all():
+            # a GPU: one call over the padded stack (views), its padding cheaper than calls;
+            # a round's participants: one call over their rows (a copy)
+            if not subset:
                 return [(torch.arange(L, device=device), slice(None), slice(0, n_max))]
             rows = torch.as_tensor(np.flatnonzero(counts > 0), device=device)
             return [(rows, rows, slice(0, n_max))]
