@@ -284,7 +284,7 @@ class Trainer(RoundLoop):
         self.steps_taken = torch.zeros(L, dtype=torch.float64, device=self.device)
         self._taken = np.zeros(L)  # steps_taken on the host: uploaded only when it changes
         self._everyone = torch.ones(L, dtype=torch.bool, device=self.device)
-        self.participants: np.ndarray | None = None  # this round's (local_work sets it)
+        self.participants: np.ndarray | None = None  # the round's, during begin_round
         self.track_loss = "loss" in self.rule.scalars
         self.line_search = isinstance(self.solver, LocalArmijo)
         # the line search's grow reset: 2^(1 / batches per epoch)
@@ -350,7 +350,10 @@ class Trainer(RoundLoop):
         self.start = theta.clone() if self.keep_start else None
         # (with fuses_e_step, q and the personal state are filled during the local steps)
         self.participants = None if mine.all() else mine
-        personal, q = self.surrogate.begin_round(self, theta, self.personal, self.train.mask)
+        try:
+            personal, q = self.surrogate.begin_round(self, theta, self.personal, self.train.mask)
+        finally:
+            self.participants = None  # (read in begin_round only)
         a = self.cfg.algorithm
         factor = self.solver.factor(t, self.cfg.rounds)
         self.solver.begin_round(self.opt_state)
@@ -632,7 +635,9 @@ class Trainer(RoundLoop):
         active: np.ndarray | None = None,
     ) -> torch.Tensor:
         """Every sample's loss under every component: (L, M, N_max), 0 on padding (training
-        data by default); with ``active`` (L,) bool, only those peers' (the others' rows 0)."""
+        data by default). ``active`` (L,) bool: only those peers' are needed, and the others'
+        rows are 0, except on the binary linear model's closed form (one product gives every
+        row at once)."""
         split = split or self.train
         if self.forward.closed_form and self.task == "binary":
             return self.forward.linear_losses(theta, split, self.eval_chunk)

@@ -148,10 +148,13 @@ def test_fedem_e_step_works_out_only_the_participants(tmp_path, monkeypatch):
         asked, losses = seen[-1]
         np.testing.assert_array_equal(asked, active)
         assert (losses[~active] == 0).all() and (losses[active].sum(-1) > 0).all()
+        assert fast.participants is None  # (read in begin_round only)
     assert len(seen) == 3
     # (the same numbers; the E-step's calls hold other peers, so allow float rounding)
     torch.testing.assert_close(fast.nodes, full.nodes, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(fast.personal["pi"], full.personal["pi"], rtol=1e-6, atol=1e-7)
+    fast.local_work(3, None)  # then a round of every peer: every peer's losses
+    assert seen[-1][0] is None and (seen[-1][1].sum(-1) > 0).all()
 
 
 def test_dfedem_sitting_out_peer_unchanged_by_communicate(tmp_path):

@@ -26,8 +26,9 @@ class Context(Protocol):
     track_loss: bool  # the rule reads the last minibatch's loss (FedLi)
     line_search: bool  # the solver evaluates the loss (Armijo)
     fuses_e_step: bool  # the round's loop works a mixture's E-step out (runtime.stack.PendingEStep)
-    # this round's participants among the L peers, (L,) bool on the host; None: every peer.
-    # What begin_round returns for the others is thrown away: it need not be computed.
+    # in begin_round, the round's participants among the L peers, (L,) bool on the host; None:
+    # every peer. What begin_round returns for the others is thrown away: it need not be
+    # computed.
     participants: np.ndarray | None
 
     def train_losses(self, theta: torch.Tensor, split=None, active=None) -> torch.Tensor: ...
