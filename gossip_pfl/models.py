@@ -316,7 +316,7 @@ class LeNet(nn.Module):
         self.fc1 = nn.Linear(flat, 120)
         self.fc2 = nn.Linear(120, 84)
         self.fc3 = nn.Linear(84, num_outputs)
-        self._conv1_floats = 16 * (height - 4) * (width - 4)
+        self._conv1_floats = self.conv1.out_channels * (height - 4) * (width - 4)
 
     def samples_per_call(self, components: int) -> int:
         return cache_sized_calls(self._conv1_floats, components)

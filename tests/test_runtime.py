@@ -381,6 +381,16 @@ def test_native_batched_layers_equal_the_plain_model(name, shape, options):
     _batched_layers_equal_the_loop(name, shape, options)
 
 
+def _count_first_block_products(monkeypatch) -> list:
+    """A list that gets an item each time a CPU's first convolution takes the products."""
+    from gossip_pfl import models
+
+    calls = []
+    block = models._first_block_by_products
+    monkeypatch.setattr(models, "_first_block_by_products", lambda *a: calls.append(1) or block(*a))
+    return calls
+
+
 @pytest.mark.parametrize(
     "name, shape, options",
     [
@@ -400,9 +410,7 @@ def test_cpu_first_convolution_in_either_form_equals_the_plain_model(
     from gossip_pfl import models
 
     monkeypatch.setattr(models, "CPU_PATCH_ROWS_PER_OUTPUT", 10**6 if first == "products" else 0)
-    calls = []
-    block = models._first_block_by_products
-    monkeypatch.setattr(models, "_first_block_by_products", lambda *a: calls.append(1) or block(*a))
+    calls = _count_first_block_products(monkeypatch)
     _batched_layers_equal_the_loop(name, shape, options)
     assert bool(calls) == (first == "products")
 
@@ -425,9 +433,7 @@ def test_cpu_first_convolution_form_follows_its_patches(
     from gossip_pfl import models
 
     monkeypatch.setattr(models, "CPU_PATCH_BYTES", patch_bytes)
-    calls = []
-    block = models._first_block_by_products
-    monkeypatch.setattr(models, "_first_block_by_products", lambda *a: calls.append(1) or block(*a))
+    calls = _count_first_block_products(monkeypatch)
     C = shape[0]
     params = {
         "conv1.weight": torch.randn(4, components, c1, C, 5, 5),
