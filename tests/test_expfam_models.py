@@ -78,10 +78,11 @@ def test_mstep_recovers_true_parameters_on_a_large_sample():
     assert torch.allclose(theta.cov, cov, atol=0.05)
 
 
-def test_shared_estep_against_direct_density():
-    x, _, _ = _labelled(n=2, m=7)
+@pytest.mark.parametrize("d", [1, 2, 7])  # 7: the triangular inverse's general rows
+def test_shared_estep_against_direct_density(d):
+    x, _, _ = _labelled(n=2, m=7, d=d)
     model = GaussianMixtureShared.from_data(x, 3)
-    theta = _theta()
+    theta = _theta(d=d)
     r = model.responsibilities(theta, x)
     dens = torch.stack(
         [
@@ -118,10 +119,11 @@ def test_diagonal_estep_against_direct_density():
     assert torch.allclose(r, dens / dens.sum(-1, keepdim=True), atol=1e-12)
 
 
-def test_per_client_theta_matches_separate_calls():
-    x, _, _ = _labelled(n=2, m=5)
+@pytest.mark.parametrize("d", [2, 7])
+def test_per_client_theta_matches_separate_calls(d):
+    x, _, _ = _labelled(n=2, m=5, d=d)
     model = GaussianMixtureShared.from_data(x, 3)
-    t0, t1 = _theta(seed=1), _theta(seed=2)
+    t0, t1 = _theta(seed=1, d=d), _theta(seed=2, d=d)
     both = GMMParams(*(torch.stack([a, b]) for a, b in zip(vars(t0).values(), vars(t1).values())))
     s = model.sbar(both, x)
     assert torch.allclose(s[0], model.sbar(t0, x[:1])[0])

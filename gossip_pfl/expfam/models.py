@@ -53,6 +53,20 @@ def _check_x(x: torch.Tensor, d: int) -> torch.Tensor:
     return x
 
 
+def _lower_inverse(L: torch.Tensor) -> torch.Tensor:
+    """The inverse of lower-triangular ``L`` (..., d, d), by forward substitution in d row
+    steps. Not LAPACK's batched solves: they are one small call per matrix (one per sample and
+    client in the E-step's (n, m, d, G) solve), and with two threads MKL woke the other for
+    each: an evaluation of 70,000 Fashion-MNIST images took 3.4 s against 0.07 s."""
+    d = L.shape[-1]
+    out = torch.zeros_like(L)
+    eye = torch.eye(d, dtype=L.dtype, device=L.device)
+    for i in range(d):  # row i of L^-1: (e_i - L[i, :i] X[:i]) / L[i, i]
+        row = eye[i] - (L[..., i : i + 1, :i] @ out[..., :i, :]).squeeze(-2) if i else eye[i]
+        out[..., i, :] = row / L[..., i, i, None]
+    return out
+
+
 def _per_client(t: torch.Tensor, n: int, event_dims: int) -> torch.Tensor:
     """Give a parameter tensor a leading client axis of size n (broadcast if absent)."""
     t = t.to(DTYPE)
@@ -130,8 +144,8 @@ class GaussianMixtureShared:
         cov = _per_client(theta.cov, n, 2)
         L = torch.linalg.cholesky(cov)  # (n, d, d)
         diff = x.unsqueeze(2) - mu.unsqueeze(1)  # (n, m, G, d)
-        z = torch.linalg.solve_triangular(L[:, None], diff.transpose(-1, -2), upper=False)
-        maha = (z**2).sum(-2)  # (n, m, G)
+        z = diff.flatten(1, 2) @ _lower_inverse(L).mT  # L^-1 (y - mu_l), (n, m G, d)
+        maha = (z**2).sum(-1).view(diff.shape[:3])  # (n, m, G)
         logdet = 2.0 * torch.log(torch.diagonal(L, dim1=-2, dim2=-1)).sum(-1)  # (n,)
         lognorm = -0.5 * (self.d * math.log(2 * math.pi) + logdet)
         return torch.log(w).unsqueeze(1) + lognorm[:, None, None] - 0.5 * maha
