@@ -268,10 +268,8 @@ SKIPPED = {
 #: commands checked by parsing, not run, and why (matched on the start of the command)
 PARSE_ONLY = {
     "python benchmarks/": "benchmarks take minutes (one study 22): script, options checked",
-    "OMP_NUM_THREADS=1 python benchmarks/": "benchmarks take minutes: script, options checked",
     "launch/": "launch scripts start torchrun with their own ranks: bash -n, config checked",
     "benchmarks/gpu_kit.sh": "for a lent GPU machine (prepare downloads wheels): bash -n",
-    "NNODES=": "needs several nodes: bash -n, config checked",
     "sbatch ": "needs SLURM: bash -n, config checked",
     "gossip-pfl plot runs/fashion_mnist/": "plots the 22-minute study's runs: arguments parsed",
     "gossip-pfl peers-local configs/synthetic/p2p_small.yaml -n 4 --out runs/p2p_kill": "tests/"
@@ -301,8 +299,9 @@ def run_command(ws: Workspace, argv: list[str], done: set[str]) -> str:
     for prefix, why in SKIPPED.items():
         if tuple(argv[: len(prefix)]) == prefix:
             return f"skipped: {why}"
+    bare = shlex.join(argv)  # without the environment: `X=1 python benchmarks/...` too
     for prefix, why in PARSE_ONLY.items():
-        if text.startswith(prefix):
+        if bare.startswith(prefix):
             if argv[0] == "gossip-pfl":
                 parse_only_gossip_pfl(argv[1:])
             elif argv[0] == "python":
