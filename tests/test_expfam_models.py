@@ -11,6 +11,7 @@ from gossip_pfl.expfam.models import (
     GaussianMixtureDiagonal,
     GaussianMixtureShared,
     GMMParams,
+    _lower_inverse,
     client_means,
     initial_params,
     mean_field,
@@ -83,21 +84,44 @@ def test_shared_estep_against_direct_density(d):
     x, _, _ = _labelled(n=2, m=7, d=d)
     model = GaussianMixtureShared.from_data(x, 3)
     theta = _theta(d=d)
+    means, cov = theta.means.clone().requires_grad_(), theta.cov.clone().requires_grad_()
+    theta = GMMParams(theta.weights, means, cov)
     r = model.responsibilities(theta, x)
-    dens = torch.stack(
+    logd = torch.stack(
         [
-            theta.weights[l]
-            * torch.distributions.MultivariateNormal(theta.means[l], theta.cov).log_prob(x).exp()
+            theta.weights[l].log()
+            + torch.distributions.MultivariateNormal(means[l], cov).log_prob(x)
             for l in range(3)
         ],
         dim=-1,
     )
-    assert torch.allclose(r, dens / dens.sum(-1, keepdim=True), atol=1e-12)
+    tight = {"rtol": 1e-10, "atol": 1e-12}
+    assert torch.allclose(r, torch.softmax(logd, -1), **tight)
     s = model.sbar(theta, x)
     s1, s2 = model.split(s)
     assert torch.allclose(s1, r) and torch.allclose(s2, r.unsqueeze(-1) * x.unsqueeze(-2))
     ll = model.loglik(theta, x)
-    assert torch.allclose(ll, dens.sum(-1).log().mean(-1), atol=1e-12)
+    direct = torch.logsumexp(logd, -1).mean(-1)
+    assert torch.allclose(ll, direct, **tight)
+    # autograd goes through the E-step (the triangular inverse is built out of place)
+    got = torch.autograd.grad(ll.sum(), (means, cov))
+    want = torch.autograd.grad(direct.sum(), (means, cov))
+    for g, w in zip(got, want):
+        assert torch.allclose(g, w, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("d", [1, 2, 7, 50])
+@pytest.mark.parametrize("batch", [(), (4,), (2, 3)])
+def test_lower_inverse_against_a_triangular_solve(d, batch):
+    g = torch.Generator().manual_seed(d)
+    A = torch.randn(*batch, d, d, generator=g, dtype=DTYPE)
+    L = torch.linalg.cholesky(A @ A.mT + 0.1 * torch.eye(d, dtype=DTYPE))
+    eye = torch.eye(d, dtype=DTYPE).expand(L.shape)
+    want = torch.linalg.solve_triangular(L, eye, upper=False)
+    got = _lower_inverse(L)
+    assert got.shape == L.shape
+    assert torch.allclose(got, want, rtol=1e-10, atol=1e-12 * float(want.abs().max()))
+    assert torch.equal(got.triu(1), torch.zeros_like(got))
 
 
 def test_diagonal_estep_against_direct_density():
@@ -125,9 +149,10 @@ def test_per_client_theta_matches_separate_calls(d):
     model = GaussianMixtureShared.from_data(x, 3)
     t0, t1 = _theta(seed=1, d=d), _theta(seed=2, d=d)
     both = GMMParams(*(torch.stack([a, b]) for a, b in zip(vars(t0).values(), vars(t1).values())))
-    s = model.sbar(both, x)
-    assert torch.allclose(s[0], model.sbar(t0, x[:1])[0])
-    assert torch.allclose(s[1], model.sbar(t1, x[1:])[0])
+    s = model.sbar(both, x)  # one factor per client against a shared one
+    tight = {"rtol": 1e-12, "atol": 1e-12}
+    assert torch.allclose(s[0], model.sbar(t0, x[:1])[0], **tight)
+    assert torch.allclose(s[1], model.sbar(t1, x[1:])[0], **tight)
 
 
 @pytest.mark.parametrize("cls", [GaussianMixtureShared, GaussianMixtureDiagonal])
