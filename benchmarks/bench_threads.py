@@ -29,10 +29,11 @@ CONFIG = ROOT / "configs" / "synthetic" / "dfedem.yaml"
 
 
 def start(out: Path, rounds: int, threads: int, config=CONFIG, sets=()) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "gossip_pfl.cli", "run", str(config), "--set", f"rounds={rounds}",
+    # the caller's settings first: the rounds, device and threads this table reports win
+    cmd = [sys.executable, "-m", "gossip_pfl.cli", "run", str(config),
+           *(a for kv in sets for a in ("--set", kv)), "--set", f"rounds={rounds}",
            "--set", f"eval.every={rounds}", "--set", "runtime.device=cpu",
            "--set", f"runtime.threads={threads}", "--out", str(out), "--quiet"]  # fmt: skip
-    cmd += [a for kv in sets for a in ("--set", kv)]
     env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
@@ -56,15 +57,16 @@ def main() -> None:
     cores = available_cores()
     env = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     waits = {k: os.environ[k] for k in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT") if k in os.environ}
-    print(f"# {cores} cores in this process's affinity mask; {args.config} {' '.join(args.set)}, "
-          f"{args.rounds} rounds; wall_seconds per run; idle OpenMP threads: "
+    config = Path(args.config).resolve()  # the runs start in the repository's root
+    print(f"# {cores} cores in this process's affinity mask; {' '.join([args.config, *args.set])}"
+          f", {args.rounds} rounds; wall_seconds per run; idle OpenMP threads: "
           f"{waits or 'the command default (OMP_WAIT_POLICY=PASSIVE)'}")  # fmt: skip
     print("| threads per run | alone s | side by side s (each) | slowdown | sharing explains |")
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as tmp:
         for k, threads in enumerate(map(int, args.threads.split(","))):
             t = threads or default_threads(env)[0]
-            run = (args.rounds, threads, args.config, args.set)
+            run = (args.rounds, threads, config, args.set)
             alone = wall([start(Path(tmp, f"a{k}"), *run)], [Path(tmp, f"a{k}")])
             outs = [Path(tmp, f"p{k}_{i}") for i in range(2)]
             pair = wall([start(o, *run) for o in outs], outs)
