@@ -563,7 +563,7 @@ class Trainer(RoundLoop):
             self.rule_state = self.rule.split(self.rule_state, self.rows_of(delta).cpu().numpy())
             return [self.rule.phase(self.rule_state, self.sizes.astype(np.float64))], None
         if self.route == "star":
-            keys = [("star", 0), ("star", 1)] if full else None
+            keys = [("star", 0) if full else None, ("star", 1)]  # down: whoever took part
             return star_phases(active, self.agg_weights), keys
         phases = [sit_out(p, active) for p in self.schedule.phases(t)]
         if self.gossip_by_size:

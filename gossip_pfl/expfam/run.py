@@ -328,7 +328,7 @@ class ExpFamRun(RoundLoop):
         flat[:L] = self.outbox
         for k, phase in enumerate(phases):
             flat = self.exchanger.mix(
-                flat, self.exchanger.plan(phase, ("star", k) if full else None)
+                flat, self.exchanger.plan(phase, ("star", k) if full or k == 1 else None)
             )
             if k == 0 and self.comm.rank == 0:  # the hub, between the up and down phases
                 mass = float(self.data.weights[active].sum())
