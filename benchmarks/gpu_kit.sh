@@ -159,7 +159,7 @@ case "${1:-}" in
         # form and mode, the most clients
         install
         export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
-        stage tests 60 $PY -m pytest -n 4 --maxprocesses 4 -rs -q tests/test_cuda.py
+        stage tests 60 $PY -m pytest -n 4 --maxprocesses 4 -rs -q -m cuda tests
         stage conv 45 $PY benchmarks/bench_conv.py --device $DEV
         stage solver 60 $PY benchmarks/bench_solver.py --device $DEV
         stage cnn 170 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers 800 \
