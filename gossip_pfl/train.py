@@ -16,6 +16,7 @@ draw is seeded per peer (data order, initialization) or per round (schedule), ne
 from __future__ import annotations
 
 import traceback
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -60,7 +61,7 @@ from gossip_pfl.runtime.participation import (
 from gossip_pfl.runtime.placement import Placement
 from gossip_pfl.runtime.solver import LocalArmijo, LocalSGD
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout, PendingEStep, init_components
-from gossip_pfl.runtime.threads import configure_host
+from gossip_pfl.runtime.threads import configure_host, map_pieces
 from topologies import MixingSchedule, TopologyError
 from topologies.analysis import check_mixing
 
@@ -626,6 +627,12 @@ class Trainer(RoundLoop):
         per = max(1, n_peers if chunk <= 0 else chunk // max(1, batch))  # >= 1: a range step
         return [slice(k, min(k + per, n_peers)) for k in range(0, n_peers, per)]
 
+    def map_pieces(self, fn: Callable, pieces: list) -> list:
+        """``fn`` over independent pieces of the peer axis: on a CPU as many at once as the run
+        has threads, each on one (``runtime/threads.py: map_pieces``); on a GPU in turn."""
+        threads = torch.get_num_threads() if self.device.type == "cpu" else 1
+        return map_pieces(fn, pieces, threads)
+
     # ---- measurements ---------------------------------------------------------------------
     @torch.no_grad()
     def train_losses(
@@ -642,8 +649,12 @@ class Trainer(RoundLoop):
         if self.forward.closed_form and self.task == "binary":
             return self.forward.linear_losses(theta, split, self.eval_chunk)
         losses = torch.zeros(*theta.shape[:2], split.y.shape[1], device=self.device)
-        for rows, sl, x, y, _ in split.chunks(self.eval_chunk, active):
+
+        def chunk(piece: tuple) -> None:  # the chunks' places in ``losses`` do not overlap
+            rows, sl, x, y, _ = piece
             losses[rows, :, sl] = sample_loss(self.forward(theta[rows], x), y, self.task)
+
+        self.map_pieces(chunk, list(split.chunks(self.eval_chunk, active)))
         return losses
 
     @torch.no_grad()
@@ -711,12 +722,19 @@ class Trainer(RoundLoop):
             return nll / counts, correct / counts
         correct = torch.zeros(theta.shape[0], device=self.device, dtype=torch.float64)
         nll = torch.zeros_like(correct)
-        for rows, _, x, y, m in split.chunks(self.eval_chunk):
+
+        def chunk(piece: tuple) -> tuple:
+            rows, _, x, y, m = piece
             mine = {k: v[rows] for k, v in personal.items()}
             probs = self.surrogate.predict(self.forward(theta[rows], x), mine)
             p_true = probs.gather(-1, y[..., None])[..., 0].clamp_min(1e-12)
-            nll.index_add_(0, rows, (-torch.log(p_true) * m).sum(-1).double())
-            correct.index_add_(0, rows, ((probs.argmax(-1) == y).float() * m).sum(-1).double())
+            hits = ((probs.argmax(-1) == y).float() * m).sum(-1).double()
+            return rows, (-torch.log(p_true) * m).sum(-1).double(), hits
+
+        # a peer's samples may span chunks: the sums are added here, in the chunks' order
+        for rows, part, hits in self.map_pieces(chunk, list(split.chunks(self.eval_chunk))):
+            nll.index_add_(0, rows, part)
+            correct.index_add_(0, rows, hits)
         return nll / counts, correct / counts
 
     def gather(self, values: list[torch.Tensor], positions, total: int) -> np.ndarray:

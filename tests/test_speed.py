@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from functools import partial
 from types import SimpleNamespace
 
 import numpy as np
@@ -23,6 +24,7 @@ from gossip_pfl.runtime.threads import (
     configure_host,
     default_threads,
     keep_freed_memory,
+    map_pieces,
     set_threads,
 )
 from gossip_pfl.train import Trainer
@@ -634,11 +636,13 @@ def _run_twice_threaded() -> None:
     out = np.zeros(50)
     kernels.run(_count_peers, 2, np.ones(50), out)
     assert (out == 1).all()
+    assert map_pieces(lambda k: k * k, range(5), 2) == [0, 1, 4, 9, 16]
 
 
 def test_kernel_threads_work_in_a_forked_child():
-    """kernels.run's thread pool is the process's own: a child forked after the parent used
-    it starts a pool of its own (the parent's threads do not exist there: it would hang)."""
+    """kernels.run's and map_pieces' thread pools are the process's own: a child forked after
+    the parent used them starts pools of its own (the parent's threads do not exist there: it
+    would hang)."""
     import multiprocessing as mp
 
     pytest.importorskip("numba")
@@ -675,8 +679,8 @@ def test_parameter_leaves_give_the_flat_leaf_gradient(name, shape, options, batc
     x, y = torch.randn(L, B, *shape), torch.randint(0, 5, (L, B))
     sw = torch.rand(L, M, B)
     for pieces in ([slice(0, L)], [slice(0, 1), slice(1, L)]):
-        ctx = SimpleNamespace(forward=fwd, task="multiclass",
-                              peer_pieces=lambda n, b, p=pieces: p)  # fmt: skip
+        ctx = SimpleNamespace(forward=fwd, task="multiclass", peer_pieces=lambda n, b, p=pieces: p,
+                              map_pieces=partial(_map_at, threads=1))  # fmt: skip
         grad, loss = weighted_loss_grad(ctx, theta, x, y, sw, B)
         want, want_loss = [], []
         for sl in pieces:
@@ -854,3 +858,131 @@ def test_staged_uploads_take_turns_and_hand_out_copies():
     assert not any(t.data_ptr() == b.data_ptr() for f, i in got for t in (f, i) for b in buffers)
     plain = Uploads(torch.device("cpu"))  # a CPU takes the arrays as they are: no copy
     assert not plain.staged and plain("floats", arrays[0]).data_ptr() == arrays[0].ctypes.data
+
+
+def test_map_pieces_runs_pieces_at_once_each_on_one_thread():
+    """map_pieces with 2 threads: two pieces run at the same time (a barrier of 2 that a
+    one-at-a-time loop would never pass), each on a worker of one torch thread, under the
+    caller's grad mode; the results come in the pieces' order and the caller keeps its own
+    thread count. The first error is raised and the pieces still queued are dropped."""
+    import threading
+    import time
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        meet = threading.Barrier(2, timeout=10)
+
+        def piece(k: int) -> tuple:
+            if k < 2:
+                meet.wait()  # BrokenBarrierError unless pieces 0 and 1 run at once
+            name = threading.current_thread().name
+            return k, torch.get_num_threads(), name, torch.is_grad_enabled()
+
+        with torch.no_grad():
+            done = map_pieces(piece, list(range(7)), 2)
+        assert [d[0] for d in done] == list(range(7))
+        assert all(d[1] == 1 and d[2].startswith("gossip-piece") and not d[3] for d in done)
+        assert all(d[3] for d in map_pieces(piece, [5, 6], 2))  # grad mode on: on there
+        assert torch.get_num_threads() == 2
+        # one thread: in turn on the caller's thread
+        assert {d[2] for d in map_pieces(piece, [4, 5], 1)} == {threading.current_thread().name}
+
+        ran = []
+
+        def failing(k: int) -> int:
+            ran.append(k)
+            if k == 0:
+                raise ValueError("piece 0")
+            time.sleep(0.02)
+            return k
+
+        with pytest.raises(ValueError, match="piece 0"):
+            map_pieces(failing, list(range(50)), 2)
+        time.sleep(0.1)  # what was running when the error came has finished
+        assert len(ran) < 10
+    finally:
+        torch.set_num_threads(before)
+
+
+def _map_at(fn, pieces, threads):
+    return map_pieces(fn, pieces, threads)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+@pytest.mark.parametrize("name, shape", [("cnn", (1, 28, 28)), ("lenet", (3, 32, 32))])
+def test_pieces_at_once_give_one_threads_bits(name, shape, precision):
+    """weighted_loss_grad's pieces run two at a time (map_pieces, one torch thread each) give
+    the gradients and losses of the same pieces in turn on one thread, bit for bit: a piece's
+    numbers are one thread's, whichever worker ran it."""
+    torch.manual_seed(0)
+    options = {"channels": [3, 4], "hidden": 8} if name == "cnn" else {}
+    model = build_model(name, shape, 5, **options)
+    layout = ParamLayout(model)
+    fwd = BatchedForward(model, layout, "auto", precision=precision)
+    L, M, B = 5, 2, 6
+    theta = init_components(lambda: build_model(name, shape, 5, **options), layout, M, 0)
+    theta = (theta[None] + 0.01 * torch.randn(L, *theta.shape)).contiguous()
+    x, y = torch.randn(L, B, *shape), torch.randint(0, 5, (L, B))
+    sw = torch.rand(L, M, B)
+    pieces = [slice(0, 1), slice(1, 3), slice(3, 4), slice(4, 5)]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        got = []
+        for threads in (1, 2):
+            ctx = SimpleNamespace(forward=fwd, task="multiclass",
+                                  peer_pieces=lambda n, b: pieces,
+                                  map_pieces=partial(_map_at, threads=threads))  # fmt: skip
+            got.append(weighted_loss_grad(ctx, theta, x, y, sw, B))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert got[0][0].abs().sum() > 0
+
+
+def test_cnn_run_with_two_threads_equals_one_thread(tmp_path, monkeypatch):
+    """A CNN FedEM run (momentum, pieces in the steps, the E-step and the scores) with
+    runtime.threads 2, its pieces two at a time, gives one thread's parameters, mixture
+    weights and metrics to float rounding."""
+    from gossip_pfl import train
+    from gossip_pfl.data.base import ClientData, FederatedDataset
+
+    rng = np.random.default_rng(0)
+    clients = []
+    for k in range(6):
+        n = 20 + 3 * k
+        x = rng.normal(size=(n, 1, 28, 28)).astype(np.float32)
+        y = rng.integers(0, 4, size=n)
+        clients.append(ClientData(x[:-6], y[:-6], x[:0], y[:0], x[-6:], y[-6:]))
+    images = FederatedDataset("images", clients, (1, 28, 28), 4, "multiclass")
+    calls = []
+    real = train.map_pieces
+
+    def counted(fn, items, threads):
+        calls.append((threads, len(items)))
+        return real(fn, items, threads)
+
+    monkeypatch.setattr(train, "map_pieces", counted)
+    before, runs = torch.get_num_threads(), []
+    try:
+        for threads in (1, 2):
+            cfg = load_config(base={
+                "seed": 3, "rounds": 2, "out": str(tmp_path / str(threads)),
+                "algorithm": {"name": "fedem", "components": 2, "lr": 0.05, "momentum": 0.9,
+                              "batch_size": 8},
+                "model": {"name": "cnn", "channels": [3, 4], "hidden": 8},
+                "eval": {"every": 1, "chunk": 24},
+                "runtime": {"device": "cpu", "threads": threads, "step_chunk": 16},
+            })  # fmt: skip
+            tr = Trainer(cfg, dataset=images, log=lambda *a: None)
+            summary = tr.run()
+            runs.append((tr.shared_parameters(), tr.personal["pi"].clone(), summary))
+    finally:
+        torch.set_num_threads(before)
+    assert any(k == 2 and n > 1 for k, n in calls)  # pieces did run two at a time
+    (theta1, pi1, s1), (theta2, pi2, s2) = runs
+    np.testing.assert_allclose(theta2, theta1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pi2, pi1, rtol=1e-5, atol=1e-6)
+    for key in ("train_loss", "train_accuracy", "test_accuracy"):
+        assert s2[key] == pytest.approx(s1[key], rel=1e-5)

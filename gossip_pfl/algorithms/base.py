@@ -35,6 +35,8 @@ class Context(Protocol):
 
     def peer_pieces(self, n_peers: int, batch: int) -> list[slice]: ...
 
+    def map_pieces(self, fn, pieces: list[slice]) -> list: ...  # fn over pieces, maybe at once
+
 
 class Surrogate(Protocol):
     components: int
@@ -90,14 +92,16 @@ def weighted_loss_grad(ctx: Context, theta: torch.Tensor, x, y, sw, batch_size: 
     pieces = ctx.peer_pieces(theta.shape[0], x.shape[1])
     # pieces: each one's gradients written once into their places of one tensor
     grad = torch.empty_like(theta) if len(pieces) > 1 else None
-    losses = []
-    for sl in pieces:
+
+    def piece(sl: slice) -> tuple[torch.Tensor, torch.Tensor]:
         logits, leaves = fwd.for_grad(theta[sl], x[sl])
         weighted = sample_loss(logits, y[sl], ctx.task) * sw[sl]  # (A, M, B)
         # a parameter the loss does not reach gets zeros (as a view of the flat leaf did)
         parts = torch.autograd.grad(weighted.sum() / batch_size, leaves,
                                     materialize_grads=True)  # fmt: skip
         flat = fwd.flat_grad(parts, None if grad is None else grad[sl])
-        losses.append(weighted.detach().sum((1, 2)) / batch_size)
-    loss = losses[0] if len(losses) == 1 else torch.cat(losses)
-    return (flat if grad is None else grad), loss
+        return flat, weighted.detach().sum((1, 2)) / batch_size
+
+    done = ctx.map_pieces(piece, pieces)  # on a CPU, several pieces at once
+    loss = done[0][1] if len(done) == 1 else torch.cat([d[1] for d in done])
+    return (done[0][0] if grad is None else grad), loss

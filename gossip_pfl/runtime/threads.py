@@ -16,6 +16,11 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+T, R = TypeVar("T"), TypeVar("R")
 
 
 def available_cores() -> int:
@@ -57,6 +62,55 @@ def set_threads(threads: int = 0) -> str:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return f"{threads} thread(s) ({how})"
+
+
+# ---- independent pieces of a step, one core each --------------------------------------------
+_pool: ThreadPoolExecutor | None = None
+_pool_size = _pool_pid = 0
+
+
+def _one_thread() -> None:
+    """A piece worker's own intra-op threads: one (OpenMP's thread count is per thread, so the
+    calling thread keeps its own for the round's large operations)."""
+    import torch
+
+    # torch sets a thread's count from the process's last setting at its first parallel call:
+    # that call first, or a later one would undo the 1
+    torch.get_num_threads()
+    torch.set_num_threads(1)
+
+
+def map_pieces(fn: Callable[[T], R], items: Sequence[T], threads: int) -> list[R]:
+    """``[fn(item) for item in items]``, ``threads`` items at a time, each on a worker thread
+    of one torch thread (``threads`` <= 1 or one item: in turn, on this thread).
+
+    On a CPU a batched CNN's step is many small operations (a few peers' convolutions, in
+    cache-sized pieces); two torch threads inside each took longer than one did (their wake-ups
+    and splits cost more than they gave: docs/benchmarks.md), while two pieces at once take
+    about half the time. A piece's numbers are one thread's, whatever ``threads`` is. The
+    workers run ``fn`` under this thread's grad mode (a thread-local setting); ``fn`` must
+    write only its own outputs. The first error is raised, after the pieces still queued are
+    dropped."""
+    global _pool, _pool_size, _pool_pid
+    if threads <= 1 or len(items) <= 1:
+        return [fn(item) for item in items]
+    if _pool_size != threads or _pool_pid != os.getpid():  # a forked child has no threads
+        _pool = ThreadPoolExecutor(threads, "gossip-piece", initializer=_one_thread)
+        _pool_size, _pool_pid = threads, os.getpid()
+    import torch
+
+    grad = torch.is_grad_enabled()
+
+    def run(item: T) -> R:
+        with torch.set_grad_enabled(grad):
+            return fn(item)
+
+    futures = [_pool.submit(run, item) for item in items]
+    try:
+        return [f.result() for f in futures]
+    finally:
+        for f in futures:
+            f.cancel()
 
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
