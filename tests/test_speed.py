@@ -887,6 +887,10 @@ def test_map_pieces_runs_pieces_at_once_each_on_one_thread():
         assert torch.get_num_threads() == 2
         # one thread: in turn on the caller's thread
         assert {d[2] for d in map_pieces(piece, [4, 5], 1)} == {threading.current_thread().name}
+        # a piece that maps pieces runs them in turn on its worker (all waiting would hang)
+        nested = map_pieces(lambda k: map_pieces(piece, [k + 3, k + 4], 2), [0, 1, 2], 2)
+        assert [[d[0] for d in inner] for inner in nested] == [[3, 4], [4, 5], [5, 6]]
+        assert all(len({d[2] for d in inner}) == 1 for inner in nested)
 
         ran = []
 

@@ -8,7 +8,8 @@ cores explain. Precedence: ``runtime.threads`` > ``OMP_NUM_THREADS`` (an explici
 torchrun sets it to 1 when it starts several ranks on a node and it is unset) > the cores in
 this process's affinity mask divided by ``LOCAL_WORLD_SIZE`` (torchrun's ranks on this node).
 
-And freed memory kept for the next round (:func:`keep_freed_memory`).
+Independent pieces of a step run at once on a CPU, one thread each (:func:`map_pieces`). And
+freed memory kept for the next round (:func:`keep_freed_memory`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ctypes
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
@@ -65,6 +67,7 @@ def set_threads(threads: int = 0) -> str:
 
 
 # ---- independent pieces of a step, one core each --------------------------------------------
+_NAME = "gossip-piece"  # the workers' thread names
 _pool: ThreadPoolExecutor | None = None
 _pool_size = _pool_pid = 0
 
@@ -92,10 +95,14 @@ def map_pieces(fn: Callable[[T], R], items: Sequence[T], threads: int) -> list[R
     write only its own outputs. The first error is raised, after the pieces still queued are
     dropped."""
     global _pool, _pool_size, _pool_pid
-    if threads <= 1 or len(items) <= 1:
+    # a piece that maps pieces itself runs them in turn: waiting on its own pool could hang
+    nested = threading.current_thread().name.startswith(_NAME)
+    if threads <= 1 or len(items) <= 1 or nested:
         return [fn(item) for item in items]
     if _pool_size != threads or _pool_pid != os.getpid():  # a forked child has no threads
-        _pool = ThreadPoolExecutor(threads, "gossip-piece", initializer=_one_thread)
+        if _pool is not None and _pool_pid == os.getpid():
+            _pool.shutdown(wait=False)  # its idle workers end
+        _pool = ThreadPoolExecutor(threads, _NAME, initializer=_one_thread)
         _pool_size, _pool_pid = threads, os.getpid()
     import torch
 
