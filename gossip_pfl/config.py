@@ -160,7 +160,9 @@ class EvalConfig:
     #: average model) before it is evaluated (FedAvg+); unset: the algorithm's default (1 for
     #: fedavg_plus, else 0)
     finetune_epochs: int | None = None
-    chunk: int = 0  #: samples per evaluation forward, all peers (0: model's hint or 16384)
+    #: samples per evaluation forward, all peers (0: model's hint or 16384); on a CPU as many
+    #: such calls as the run has threads run at once
+    chunk: int = 0
     unseen_em: str = "converge"  #: converge | one_step (the paper's experiments)
 
 

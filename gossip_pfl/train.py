@@ -629,9 +629,10 @@ class Trainer(RoundLoop):
 
     def map_pieces(self, fn: Callable, pieces: list) -> list:
         """``fn`` over independent pieces of the peer axis: on a CPU as many at once as the run
-        has threads, each on one (``runtime/threads.py: map_pieces``); on a GPU in turn."""
-        threads = torch.get_num_threads() if self.device.type == "cpu" else 1
-        return map_pieces(fn, pieces, threads)
+        has threads, each on one (``runtime/threads.py: map_pieces``); on a GPU, or through a
+        forward that swaps the module's parameters (``BatchedForward.thread_safe``), in turn."""
+        at_once = self.device.type == "cpu" and self.forward.thread_safe
+        return map_pieces(fn, pieces, torch.get_num_threads() if at_once else 1)
 
     # ---- measurements ---------------------------------------------------------------------
     @torch.no_grad()
@@ -651,10 +652,11 @@ class Trainer(RoundLoop):
         losses = torch.zeros(*theta.shape[:2], split.y.shape[1], device=self.device)
 
         def chunk(piece: tuple) -> None:  # the chunks' places in ``losses`` do not overlap
-            rows, sl, x, y, _ = piece
+            rows, sl, x, y, _ = split.inputs(*piece)
             losses[rows, :, sl] = sample_loss(self.forward(theta[rows], x), y, self.task)
 
-        self.map_pieces(chunk, list(split.chunks(self.eval_chunk, active)))
+        split.mask  # noqa: B018 - a cached property, built here rather than by two pieces
+        self.map_pieces(chunk, split.chunk_plan(self.eval_chunk, active))
         return losses
 
     @torch.no_grad()
@@ -724,7 +726,7 @@ class Trainer(RoundLoop):
         nll = torch.zeros_like(correct)
 
         def chunk(piece: tuple) -> tuple:
-            rows, _, x, y, m = piece
+            rows, _, x, y, m = split.inputs(*piece)
             mine = {k: v[rows] for k, v in personal.items()}
             probs = self.surrogate.predict(self.forward(theta[rows], x), mine)
             p_true = probs.gather(-1, y[..., None])[..., 0].clamp_min(1e-12)
@@ -732,7 +734,8 @@ class Trainer(RoundLoop):
             return rows, (-torch.log(p_true) * m).sum(-1).double(), hits
 
         # a peer's samples may span chunks: the sums are added here, in the chunks' order
-        for rows, part, hits in self.map_pieces(chunk, list(split.chunks(self.eval_chunk))):
+        split.mask  # noqa: B018 - a cached property, built here rather than by two pieces
+        for rows, part, hits in self.map_pieces(chunk, split.chunk_plan(self.eval_chunk)):
             nll.index_add_(0, rows, part)
             correct.index_add_(0, rows, hits)
         return nll / counts, correct / counts

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from types import SimpleNamespace
 
@@ -887,8 +888,12 @@ def test_map_pieces_runs_pieces_at_once_each_on_one_thread():
         assert torch.get_num_threads() == 2
         # one thread: in turn on the caller's thread
         assert {d[2] for d in map_pieces(piece, [4, 5], 1)} == {threading.current_thread().name}
-        # a piece that maps pieces runs them in turn on its worker (all waiting would hang)
-        nested = map_pieces(lambda k: map_pieces(piece, [k + 3, k + 4], 2), [0, 1, 2], 2)
+        # a piece that maps pieces runs them in turn on its worker (all waiting would hang:
+        # a time limit, not a hung suite)
+        with ThreadPoolExecutor(1) as guard:
+            outer = guard.submit(map_pieces, lambda k: map_pieces(piece, [k + 3, k + 4], 2),
+                                 [0, 1, 2], 2)  # fmt: skip
+            nested = outer.result(timeout=30)
         assert [[d[0] for d in inner] for inner in nested] == [[3, 4], [4, 5], [5, 6]]
         assert all(len({d[2] for d in inner}) == 1 for inner in nested)
 
@@ -898,13 +903,13 @@ def test_map_pieces_runs_pieces_at_once_each_on_one_thread():
             ran.append(k)
             if k == 0:
                 raise ValueError("piece 0")
-            time.sleep(0.02)
+            time.sleep(0.05)
             return k
 
         with pytest.raises(ValueError, match="piece 0"):
             map_pieces(failing, list(range(50)), 2)
-        time.sleep(0.1)  # what was running when the error came has finished
-        assert len(ran) < 10
+        time.sleep(0.2)  # what was running when the error came has finished
+        assert len(ran) < 25
     finally:
         torch.set_num_threads(before)
 
@@ -915,10 +920,13 @@ def _map_at(fn, pieces, threads):
 
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
 @pytest.mark.parametrize("name, shape", [("cnn", (1, 28, 28)), ("lenet", (3, 32, 32))])
-def test_pieces_at_once_give_one_threads_bits(name, shape, precision):
-    """weighted_loss_grad's pieces run two at a time (map_pieces, one torch thread each) give
-    the gradients and losses of the same pieces in turn on one thread, bit for bit: a piece's
-    numbers are one thread's, whichever worker ran it."""
+def test_pieces_at_once_give_one_threads_bits(name, shape, precision, monkeypatch):
+    """weighted_loss_grad's pieces run two at a time (map_pieces, one torch thread each) by a
+    caller of two threads, on workers started for it, give the gradients and losses of the
+    same pieces in turn on one thread, bit for bit: a piece's numbers are one thread's,
+    whichever worker ran it (a worker of two threads splits the convolutions' sums)."""
+    from gossip_pfl.runtime import threads as threads_module
+
     torch.manual_seed(0)
     options = {"channels": [3, 4], "hidden": 8} if name == "cnn" else {}
     model = build_model(name, shape, 5, **options)
@@ -932,9 +940,10 @@ def test_pieces_at_once_give_one_threads_bits(name, shape, precision):
     pieces = [slice(0, 1), slice(1, 3), slice(3, 4), slice(4, 5)]
     before = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
         got = []
         for threads in (1, 2):
+            torch.set_num_threads(threads)
+            monkeypatch.setattr(threads_module, "_pool_size", 0)  # new workers, started now
             ctx = SimpleNamespace(forward=fwd, task="multiclass",
                                   peer_pieces=lambda n, b: pieces,
                                   map_pieces=partial(_map_at, threads=threads))  # fmt: skip
@@ -945,10 +954,13 @@ def test_pieces_at_once_give_one_threads_bits(name, shape, precision):
     assert got[0][0].abs().sum() > 0
 
 
-def test_cnn_run_with_two_threads_equals_one_thread(tmp_path, monkeypatch):
+@pytest.mark.parametrize("model, batching", [("cnn", "auto"), ("mlp", "loop")])
+def test_cnn_run_with_two_threads_equals_one_thread(model, batching, tmp_path, monkeypatch):
     """A CNN FedEM run (momentum, pieces in the steps, the E-step and the scores) with
     runtime.threads 2, its pieces two at a time, gives one thread's parameters, mixture
-    weights and metrics to float rounding."""
+    weights and metrics to float rounding. Through the loop (functional_call swaps the one
+    module's parameters for each call's: two calls at once would read each other's) the
+    pieces run in turn."""
     from gossip_pfl import train
     from gossip_pfl.data.base import ClientData, FederatedDataset
 
@@ -975,16 +987,19 @@ def test_cnn_run_with_two_threads_equals_one_thread(tmp_path, monkeypatch):
                 "seed": 3, "rounds": 2, "out": str(tmp_path / str(threads)),
                 "algorithm": {"name": "fedem", "components": 2, "lr": 0.05, "momentum": 0.9,
                               "batch_size": 8},
-                "model": {"name": "cnn", "channels": [3, 4], "hidden": 8},
+                "model": {"name": model, **({"channels": [3, 4], "hidden": 8}
+                                            if model == "cnn" else {"hidden": [8]})},
                 "eval": {"every": 1, "chunk": 24},
-                "runtime": {"device": "cpu", "threads": threads, "step_chunk": 16},
+                "runtime": {"device": "cpu", "threads": threads, "step_chunk": 16,
+                            "batching": batching},
             })  # fmt: skip
             tr = Trainer(cfg, dataset=images, log=lambda *a: None)
             summary = tr.run()
             runs.append((tr.shared_parameters(), tr.personal["pi"].clone(), summary))
     finally:
         torch.set_num_threads(before)
-    assert any(k == 2 and n > 1 for k, n in calls)  # pieces did run two at a time
+    at_once = [k for k, n in calls if n > 1]
+    assert at_once and set(at_once) == ({1, 2} if model == "cnn" else {1})
     (theta1, pi1, s1), (theta2, pi2, s2) = runs
     np.testing.assert_allclose(theta2, theta1, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(pi2, pi1, rtol=1e-5, atol=1e-6)

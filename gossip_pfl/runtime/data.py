@@ -184,9 +184,13 @@ class PaddedSplit:
 
     def chunks(self, budget: int, active: np.ndarray | None = None):
         """Yield (rows, sample slice, x, y, mask) pieces of :meth:`chunk_plan`."""
-        mask = self.mask
-        for rows, at, sl in self.chunk_plan(budget, active):
-            yield rows, sl, self.x[at, sl], self.y[at, sl], mask[at, sl]
+        for piece in self.chunk_plan(budget, active):
+            yield self.inputs(*piece)
+
+    def inputs(self, rows, at, sl: slice) -> tuple:
+        """(rows, sample slice, x, y, mask) of one piece of :meth:`chunk_plan` (a copy of
+        the inputs when ``at`` is an index: made when the piece runs, one at a time)."""
+        return rows, sl, self.x[at, sl], self.y[at, sl], self.mask[at, sl]
 
 
 def _lazy_zeros(shape: tuple, dtype) -> np.ndarray:

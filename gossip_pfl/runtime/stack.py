@@ -136,6 +136,13 @@ class BatchedForward:
             return "the model has buffers (e.g. BatchNorm statistics) that vmap cannot update"
         return ""
 
+    @property
+    def thread_safe(self) -> bool:
+        """Whether calls may run at once on several threads: the closed form and a model's own
+        batched layers read only their arguments, while ``functional_call`` (vmap without
+        them, the loop) swaps the one module's parameters for each call's."""
+        return self.closed_form or (self.mode == "vmap" and self.native is not None)
+
     def check(self, theta: torch.Tensor, x: torch.Tensor) -> None:
         """Run one tiny batch through the batched path that will run (the model's own layers
         when it has them); in auto mode switch to the loop when it fails."""
