@@ -103,10 +103,10 @@ def map_pieces(fn: Callable[[T], R], items: Sequence[T], threads: int) -> list[R
     of one torch thread (``threads`` <= 1 or one item: in turn, on this thread).
 
     On a CPU a batched CNN's step is many small operations (a few peers' convolutions, in
-    cache-sized pieces); split over two torch threads, each took longer than on one for the
-    Fashion-MNIST FedAvg CNN and gained 0.67x for FedEM's, while two pieces at once took 0.58x
-    and 0.53x of one thread's time (docs/benchmarks.md). Pieces run at once each give one
-    thread's numbers. The workers run ``fn`` under this thread's grad mode (a thread-local
+    cache-sized pieces). With each operation split over two torch threads, a step of the
+    Fashion-MNIST FedAvg CNN took 1.47x one thread's time and FedEM's 0.67x; with two pieces
+    at once, 0.58x and 0.53x (docs/benchmarks.md). Pieces run at once each give one thread's
+    numbers. The workers run ``fn`` under this thread's grad mode (a thread-local
     setting); ``fn`` must write only its own outputs and fill no shared cache. The first
     error is raised, after the pieces still queued are dropped."""
     global _pool, _pool_size, _pool_pid
