@@ -622,17 +622,30 @@ class Trainer(RoundLoop):
 
     def peer_pieces(self, n_peers: int, batch: int) -> list[slice]:
         """Slices of the peer axis with at most ``step_chunk`` samples each (0: one piece); a
-        piece holds at least one peer."""
+        piece holds at least one peer. Where pieces run at once (:meth:`map_pieces`), they
+        are of even sizes and at least as many as the threads: a step of a few peers (the
+        end of the big clients' epochs) would otherwise run as one piece, each operation
+        split over the threads."""
         chunk = self.step_chunk
         per = max(1, n_peers if chunk <= 0 else chunk // max(1, batch))  # >= 1: a range step
-        return [slice(k, min(k + per, n_peers)) for k in range(0, n_peers, per)]
+        threads = self._piece_threads()
+        if chunk <= 0 or threads <= 1:
+            return [slice(k, min(k + per, n_peers)) for k in range(0, n_peers, per)]
+        count = max(-(-n_peers // per), min(threads, n_peers))
+        ends = [n_peers * k // count for k in range(count + 1)]
+        return [slice(a, b) for a, b in zip(ends, ends[1:])]
+
+    def _piece_threads(self) -> int:
+        """How many pieces run at once: the run's threads on a CPU, through a forward that
+        calls may share (``BatchedForward.thread_safe``: not one that swaps the module's
+        parameters); 1 on a GPU."""
+        at_once = self.device.type == "cpu" and self.forward.thread_safe
+        return torch.get_num_threads() if at_once else 1
 
     def map_pieces(self, fn: Callable, pieces: list) -> list:
-        """``fn`` over independent pieces of the peer axis: on a CPU as many at once as the run
-        has threads, each on one (``runtime/threads.py: map_pieces``); on a GPU, or through a
-        forward that swaps the module's parameters (``BatchedForward.thread_safe``), in turn."""
-        at_once = self.device.type == "cpu" and self.forward.thread_safe
-        return map_pieces(fn, pieces, torch.get_num_threads() if at_once else 1)
+        """``fn`` over independent pieces of the peer axis, :meth:`_piece_threads` at a time,
+        each on one thread (``runtime/threads.py: map_pieces``)."""
+        return map_pieces(fn, pieces, self._piece_threads())
 
     # ---- measurements ---------------------------------------------------------------------
     @torch.no_grad()

@@ -1005,3 +1005,26 @@ def test_cnn_run_with_two_threads_equals_one_thread(model, batching, tmp_path, m
     torch.testing.assert_close(pi2, pi1, rtol=1e-5, atol=1e-6)
     for key in ("train_loss", "train_accuracy", "test_accuracy"):
         assert s2[key] == pytest.approx(s1[key], rel=1e-5)
+
+
+def test_pieces_at_once_are_even_and_at_least_the_threads(tmp_path):
+    """With pieces run at once the peer axis is cut into even pieces, at least as many as the
+    threads (a step's last few peers would otherwise be one piece), each within the call
+    size, covering every peer once in order; on one thread the pieces are the call size's."""
+    cfg = load_config(base={"seed": 0, "rounds": 1, "out": str(tmp_path),
+                            "algorithm": {"name": "fedavg", "components": 1},
+                            "model": {"name": "linear"},
+                            "runtime": {"device": "cpu", "step_chunk": 64}})  # fmt: skip
+    tr = Trainer(cfg, dataset=toy_dataset(4), log=lambda *a: None)
+    per = 64 // 16
+    for threads in (1, 2, 3):
+        tr._piece_threads = lambda k=threads: k
+        for n in (1, 2, 3, 5, 13, 100):
+            pieces = tr.peer_pieces(n, 16)
+            sizes = [p.stop - p.start for p in pieces]
+            assert [p.start for p in pieces] == [0, *np.cumsum(sizes)[:-1]] and sum(sizes) == n
+            assert max(sizes) <= per and min(sizes) >= 1
+            if threads == 1:
+                assert sizes == [per] * (n // per) + ([n % per] if n % per else [])
+            else:
+                assert len(pieces) >= min(threads, n) and max(sizes) - min(sizes) <= 1
