@@ -628,24 +628,17 @@ class Trainer(RoundLoop):
         split over the threads."""
         chunk = self.step_chunk
         per = max(1, n_peers if chunk <= 0 else chunk // max(1, batch))  # >= 1: a range step
-        threads = self._piece_threads()
+        threads = self.forward.piece_threads(self.device)
         if chunk <= 0 or threads <= 1:
             return [slice(k, min(k + per, n_peers)) for k in range(0, n_peers, per)]
         count = max(-(-n_peers // per), min(threads, n_peers))
         ends = [n_peers * k // count for k in range(count + 1)]
         return [slice(a, b) for a, b in zip(ends, ends[1:])]
 
-    def _piece_threads(self) -> int:
-        """How many pieces run at once: the run's threads on a CPU, through a forward that
-        calls may share (``BatchedForward.thread_safe``: not one that swaps the module's
-        parameters); 1 on a GPU."""
-        at_once = self.device.type == "cpu" and self.forward.thread_safe
-        return torch.get_num_threads() if at_once else 1
-
     def map_pieces(self, fn: Callable, pieces: list) -> list:
-        """``fn`` over independent pieces of the peer axis, :meth:`_piece_threads` at a time,
-        each on one thread (``runtime/threads.py: map_pieces``)."""
-        return map_pieces(fn, pieces, self._piece_threads())
+        """``fn`` over independent pieces of the peer axis, ``BatchedForward.piece_threads``
+        at a time, each on one thread (``runtime/threads.py: map_pieces``)."""
+        return map_pieces(fn, pieces, self.forward.piece_threads(self.device))
 
     # ---- measurements ---------------------------------------------------------------------
     @torch.no_grad()

@@ -13,6 +13,7 @@ from _helpers import run_ranks
 from torch.func import functional_call
 
 from gossip_pfl import checkpoint
+from gossip_pfl.algorithms import pefll
 from gossip_pfl.algorithms.pefll import PeFLLHub, PeFLLRun
 from gossip_pfl.algorithms.rules import Inbox
 from gossip_pfl.cli import main
@@ -240,3 +241,29 @@ def test_bad_input_is_one_line_exit_2(overrides, needles, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1, err
     assert all(n in err[0] for n in needles), err[0]
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_local_steps_in_pieces_at_once_equal_all_clients_at_once(threads, tmp_path):
+    """The participants' local steps in ``threads`` even pieces run at once (a CPU with that
+    many threads; each piece its clients' every step) give the models of all of them in one
+    piece on one thread, bit for bit: the clients are independent, and so is each one's
+    arithmetic."""
+    r = PeFLLRun(config(tmp_path, participation=5), images(), log=quiet)
+    theta = torch.randn(5, r.layout.numel, generator=torch.Generator().manual_seed(0)) * 0.1
+    rows = np.arange(5)
+    one = r.local_steps(theta, rows, 0)
+    calls = []
+    real = pefll.map_pieces
+
+    def counted(fn, pieces, k):
+        calls.append([p.stop - p.start for p in pieces])
+        return real(fn, pieces, k)
+
+    r.forward.piece_threads = lambda device: threads
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(pefll, "map_pieces", counted)
+        at_once = r.local_steps(theta, rows, 0)
+    assert calls == [{2: [2, 3], 3: [1, 2, 2]}[threads]]
+    assert torch.equal(at_once, one)
+    assert not torch.equal(one, theta)  # the steps moved the models

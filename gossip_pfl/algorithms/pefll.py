@@ -50,7 +50,7 @@ from gossip_pfl.runtime.data import PaddedSplit, RankData, client_ids, round_bat
 from gossip_pfl.runtime.participation import participant_count, sample_participants
 from gossip_pfl.runtime.placement import Placement
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout
-from gossip_pfl.runtime.threads import configure_host
+from gossip_pfl.runtime.threads import configure_host, map_pieces
 
 #: the message kinds of a training round, in protocol order
 KINDS = ("embed_params", "descriptor", "client_model", "model_delta", "descriptor_grad",
@@ -345,20 +345,32 @@ class PeFLLRun(RoundLoop):
             return theta
         idx, w = self.batches(rows, t, _STREAM_STEPS, p.local_steps, p.batch_size)
         rows_t = torch.as_tensor(rows, dtype=torch.long, device=self.device)
-        theta, buf = theta.clone(), torch.zeros_like(theta)
-        for s in range(p.local_steps):
-            x, y = self.train.take(rows_t, idx[s])
-            logits, leaves = self.forward.for_grad(theta[:, None], x)
-            logits = logits[:, 0]  # (A, B, C)
-            nll = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none")
-            # each client's mean over its real samples; summed, so each gets its own gradient
-            loss = ((nll.view_as(y) * w[s]).sum(1) / w[s].sum(1).clamp_min(1)).sum()
-            parts = torch.autograd.grad(loss, leaves, materialize_grads=True)
-            g = self.forward.flat_grad(parts)[:, 0]
-            g = g + 2 * p.lambda_theta * theta
-            buf = p.momentum * buf + g
-            theta = theta - p.client_lr * buf
-        return theta.detach()
+        out = torch.empty_like(theta)
+
+        def steps(sl: slice) -> None:  # the clients of ``sl``, every step: they are independent
+            model, buf = theta[sl].clone(), torch.zeros_like(theta[sl])
+            for s in range(p.local_steps):
+                x, y = self.train.take(rows_t[sl], idx[s, sl])
+                logits, leaves = self.forward.for_grad(model[:, None], x)
+                logits = logits[:, 0]  # (A, B, C)
+                nll = nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten(),
+                                                  reduction="none")  # fmt: skip
+                # each client's mean over its real samples; summed: each its own gradient
+                ws = w[s, sl]
+                loss = ((nll.view_as(y) * ws).sum(1) / ws.sum(1).clamp_min(1)).sum()
+                parts = torch.autograd.grad(loss, leaves, materialize_grads=True)
+                g = self.forward.flat_grad(parts)[:, 0]
+                g = g + 2 * p.lambda_theta * model
+                buf = p.momentum * buf + g
+                model = model - p.client_lr * buf
+            out[sl] = model.detach()
+
+        # on a CPU, the clients in as many even pieces as threads, at once (one: every client)
+        threads = self.forward.piece_threads(self.device)
+        count = min(threads, len(rows))
+        ends = [len(rows) * k // count for k in range(count + 1)]
+        map_pieces(steps, [slice(a, b) for a, b in zip(ends, ends[1:])], threads)
+        return out
 
     def communicate(self, t: int, active: np.ndarray | None = None) -> None:
         """Backward half: deltas up, the hub's vector-Jacobian product through h, descriptor

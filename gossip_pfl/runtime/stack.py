@@ -143,6 +143,13 @@ class BatchedForward:
         them, the loop) swaps the one module's parameters for each call's."""
         return self.closed_form or (self.mode == "vmap" and self.native is not None)
 
+    def piece_threads(self, device: torch.device) -> int:
+        """How many independent pieces of calls run at once (``runtime/threads.py:
+        map_pieces``): the run's torch threads on a CPU where calls may share this forward
+        (:attr:`thread_safe`), else 1 (a GPU runs them in turn)."""
+        at_once = device.type == "cpu" and self.thread_safe
+        return torch.get_num_threads() if at_once else 1
+
     def check(self, theta: torch.Tensor, x: torch.Tensor) -> None:
         """Run one tiny batch through the batched path that will run (the model's own layers
         when it has them); in auto mode switch to the loop when it fails."""
