@@ -629,7 +629,7 @@ class Trainer(RoundLoop):
         chunk = self.step_chunk
         per = max(1, n_peers if chunk <= 0 else chunk // max(1, batch))  # >= 1: a range step
         threads = self.forward.piece_threads(self.device)
-        if chunk <= 0 or threads <= 1:
+        if chunk <= 0 or threads <= 1 or n_peers == 0:
             return [slice(k, min(k + per, n_peers)) for k in range(0, n_peers, per)]
         count = max(-(-n_peers // per), min(threads, n_peers))
         ends = [n_peers * k // count for k in range(count + 1)]

@@ -252,7 +252,6 @@ def test_local_steps_in_pieces_at_once_equal_all_clients_at_once(threads, tmp_pa
     r = PeFLLRun(config(tmp_path, participation=5), images(), log=quiet)
     theta = torch.randn(5, r.layout.numel, generator=torch.Generator().manual_seed(0)) * 0.1
     rows = np.arange(5)
-    one = r.local_steps(theta, rows, 0)
     calls = []
     real = pefll.map_pieces
 
@@ -260,10 +259,12 @@ def test_local_steps_in_pieces_at_once_equal_all_clients_at_once(threads, tmp_pa
         calls.append([p.stop - p.start for p in pieces])
         return real(fn, pieces, k)
 
-    r.forward.piece_threads = lambda device: threads
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(pefll, "map_pieces", counted)
+        r.forward.piece_threads = lambda device: 1
+        one = r.local_steps(theta, rows, 0)
+        r.forward.piece_threads = lambda device: threads
         at_once = r.local_steps(theta, rows, 0)
-    assert calls == [{2: [2, 3], 3: [1, 2, 2]}[threads]]
+    assert calls == [[5], {2: [2, 3], 3: [1, 2, 2]}[threads]]
     assert torch.equal(at_once, one)
     assert not torch.equal(one, theta)  # the steps moved the models

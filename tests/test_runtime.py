@@ -599,6 +599,7 @@ def test_call_sizes_come_from_the_model_hint_unless_configured(tmp_path):
     cnn = trainer("cnn", images)
     hint = (8 << 20) // (4 * 3 * 8 * 24 * 24)  # bytes / (float32 x M x c1 x 24 x 24)
     assert cnn.step_chunk == cnn.eval_chunk == hint
+    cnn.forward.piece_threads = lambda device: 1  # pieces in turn: the call size's
     assert [p.stop - p.start for p in cnn.peer_pieces(13, 32)] == [hint // 32] * 3 + [1]
     set_by_hand = trainer("cnn", images, runtime__step_chunk=64, eval__chunk=100)
     assert (set_by_hand.step_chunk, set_by_hand.eval_chunk) == (64, 100)

@@ -1019,6 +1019,7 @@ def test_pieces_at_once_are_even_and_at_least_the_threads(tmp_path):
     per = 64 // 16
     for threads in (1, 2, 3):
         tr.forward.piece_threads = lambda device, k=threads: k
+        assert tr.peer_pieces(0, 16) == []
         for n in (1, 2, 3, 5, 13, 100):
             pieces = tr.peer_pieces(n, 16)
             sizes = [p.stop - p.start for p in pieces]
