@@ -61,7 +61,7 @@ from gossip_pfl.runtime.participation import (
 from gossip_pfl.runtime.placement import Placement
 from gossip_pfl.runtime.solver import LocalArmijo, LocalSGD
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout, PendingEStep, init_components
-from gossip_pfl.runtime.threads import configure_host, map_pieces
+from gossip_pfl.runtime.threads import configure_host, even_pieces, map_pieces
 from topologies import MixingSchedule, TopologyError
 from topologies.analysis import check_mixing
 
@@ -631,14 +631,20 @@ class Trainer(RoundLoop):
         threads = self.forward.piece_threads(self.device)
         if chunk <= 0 or threads <= 1 or n_peers == 0:
             return [slice(k, min(k + per, n_peers)) for k in range(0, n_peers, per)]
-        count = max(-(-n_peers // per), min(threads, n_peers))
-        ends = [n_peers * k // count for k in range(count + 1)]
-        return [slice(a, b) for a, b in zip(ends, ends[1:])]
+        return even_pieces(n_peers, max(-(-n_peers // per), min(threads, n_peers)))
 
     def map_pieces(self, fn: Callable, pieces: list) -> list:
         """``fn`` over independent pieces of the peer axis, ``BatchedForward.piece_threads``
         at a time, each on one thread (``runtime/threads.py: map_pieces``)."""
         return map_pieces(fn, pieces, self.forward.piece_threads(self.device))
+
+    def map_chunks(self, fn: Callable, split: PaddedSplit, active=None) -> list:
+        """``fn(rows, sample slice, x, y, mask)`` over the evaluation-sized chunks of ``split``
+        (``PaddedSplit.chunk_plan``), through :meth:`map_pieces`; each chunk's inputs are
+        gathered when it runs."""
+        split.mask  # noqa: B018 - a cached property, built here rather than by two chunks
+        plan = split.chunk_plan(self.eval_chunk, active)
+        return self.map_pieces(lambda piece: fn(*split.inputs(*piece)), plan)
 
     # ---- measurements ---------------------------------------------------------------------
     @torch.no_grad()
@@ -657,12 +663,10 @@ class Trainer(RoundLoop):
             return self.forward.linear_losses(theta, split, self.eval_chunk)
         losses = torch.zeros(*theta.shape[:2], split.y.shape[1], device=self.device)
 
-        def chunk(piece: tuple) -> None:  # the chunks' places in ``losses`` do not overlap
-            rows, sl, x, y, _ = split.inputs(*piece)
+        def chunk(rows, sl, x, y, _mask) -> None:  # the chunks' places do not overlap
             losses[rows, :, sl] = sample_loss(self.forward(theta[rows], x), y, self.task)
 
-        split.mask  # noqa: B018 - a cached property, built here rather than by two pieces
-        self.map_pieces(chunk, split.chunk_plan(self.eval_chunk, active))
+        self.map_chunks(chunk, split, active)
         return losses
 
     @torch.no_grad()
@@ -731,8 +735,7 @@ class Trainer(RoundLoop):
         correct = torch.zeros(theta.shape[0], device=self.device, dtype=torch.float64)
         nll = torch.zeros_like(correct)
 
-        def chunk(piece: tuple) -> tuple:
-            rows, _, x, y, m = split.inputs(*piece)
+        def chunk(rows, _sl, x, y, m) -> tuple:
             mine = {k: v[rows] for k, v in personal.items()}
             probs = self.surrogate.predict(self.forward(theta[rows], x), mine)
             p_true = probs.gather(-1, y[..., None])[..., 0].clamp_min(1e-12)
@@ -740,8 +743,7 @@ class Trainer(RoundLoop):
             return rows, (-torch.log(p_true) * m).sum(-1).double(), hits
 
         # a peer's samples may span chunks: the sums are added here, in the chunks' order
-        split.mask  # noqa: B018 - a cached property, built here rather than by two pieces
-        for rows, part, hits in self.map_pieces(chunk, split.chunk_plan(self.eval_chunk)):
+        for rows, part, hits in self.map_chunks(chunk, split):
             nll.index_add_(0, rows, part)
             correct.index_add_(0, rows, hits)
         return nll / counts, correct / counts

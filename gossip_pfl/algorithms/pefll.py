@@ -50,7 +50,7 @@ from gossip_pfl.runtime.data import PaddedSplit, RankData, client_ids, round_bat
 from gossip_pfl.runtime.participation import participant_count, sample_participants
 from gossip_pfl.runtime.placement import Placement
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout
-from gossip_pfl.runtime.threads import configure_host, map_pieces
+from gossip_pfl.runtime.threads import configure_host, even_pieces, map_pieces
 
 #: the message kinds of a training round, in protocol order
 KINDS = ("embed_params", "descriptor", "client_model", "model_delta", "descriptor_grad",
@@ -367,9 +367,7 @@ class PeFLLRun(RoundLoop):
 
         # on a CPU, the clients in as many even pieces as threads, at once (one: every client)
         threads = self.forward.piece_threads(self.device)
-        count = min(threads, len(rows))
-        ends = [len(rows) * k // count for k in range(count + 1)]
-        map_pieces(steps, [slice(a, b) for a, b in zip(ends, ends[1:])], threads)
+        map_pieces(steps, even_pieces(len(rows), min(threads, len(rows))), threads)
         return out
 
     def communicate(self, t: int, active: np.ndarray | None = None) -> None:

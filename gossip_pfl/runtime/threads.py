@@ -98,6 +98,12 @@ def _start_pool(threads: int) -> ThreadPoolExecutor:
     return pool
 
 
+def even_pieces(n: int, count: int) -> list[slice]:
+    """``range(n)`` in ``count`` contiguous slices whose sizes differ by at most one."""
+    ends = [n * k // count for k in range(count + 1)]
+    return [slice(a, b) for a, b in zip(ends, ends[1:])]
+
+
 def map_pieces(fn: Callable[[T], R], items: Sequence[T], threads: int) -> list[R]:
     """``[fn(item) for item in items]``, ``threads`` items at a time, each on a worker thread
     of one torch thread (``threads`` <= 1 or one item: in turn, on this thread).
