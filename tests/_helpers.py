@@ -59,6 +59,10 @@ def _worker(rank, world, port, fn, args, out_dir, environ, env):
     )
     import torch
 
+    if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
+        # the test hid the GPU (conftest.py), but a rank forked from the fork server can carry
+        # the CUDA runtime's device count from before the fork, so torch would still see it
+        torch.cuda.is_available = lambda: False
     torch.set_num_threads(1)
     try:
         result = ("ok", fn(*args))
