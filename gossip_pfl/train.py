@@ -44,6 +44,7 @@ from gossip_pfl.runtime.data import (
     BatchPlanner,
     PaddedSplit,
     RankData,
+    Uploads,
     client_ids,
     dense_layout,
     linear_host,
@@ -204,6 +205,7 @@ class Trainer(RoundLoop):
         hint = hint(self.M) if hint is not None and self.device.type == "cpu" else 0
         self.step_chunk = rt.step_chunk or hint
         self.planner = BatchPlanner()  # each round's minibatch plan, drawn a round ahead
+        self.uploads = Uploads(self.device)  # the plans' copies, without waiting on a GPU
         wide = 16384
         if self.forward.closed_form:  # M * C floats a sample: a million samples a call, and 8
             # million on a GPU (the synthetic test split, 1.5 million, in one call, not pieces
@@ -346,7 +348,7 @@ class Trainer(RoundLoop):
         L = len(self.peers)
         mine = np.ones(L, dtype=bool) if active is None else active[self.peers]
         # every peer (the common case): a mask made once, not an upload every round
-        act = self._everyone if mine.all() else torch.as_tensor(mine, device=self.device)
+        act = self._everyone if mine.all() else self.uploads("active", mine)
         theta = self.nodes[:L]
         self.start = theta.clone() if self.keep_start else None
         # (with fuses_e_step, q and the personal state are filled during the local steps)
@@ -402,7 +404,7 @@ class Trainer(RoundLoop):
             stream, post, a.loss_divisor == "batch",
         )  # fmt: skip
         if not np.array_equal(taken, self._taken):  # a round like the last one: no upload
-            self.steps_taken.copy_(torch.as_tensor(taken, device=self.device))
+            self.steps_taken.copy_(self.uploads("taken", taken))
             self._taken = np.array(taken, dtype=np.float64)
         if fused:
             with np.errstate(over="ignore"):  # an lr past float32: the finite check names it
@@ -413,7 +415,9 @@ class Trainer(RoundLoop):
             self._record_plain_eta(opt_state, factor, bool(weight.any()))
             return
         prefix = self.device.type in REORDER_ON
-        plan, order = step_plan(idx, weight, self.train.y.shape[1], self.device, prefix)
+        plan, order = step_plan(
+            idx, weight, self.train.y.shape[1], self.device, prefix, self.uploads
+        )
         # reordered (order not None): for the steps, the stack and the solver's state hold the
         # peers in that order, in place (a copy each, each step's peers a slice of it); the
         # rest is indexed by the peers (rows)
@@ -643,7 +647,7 @@ class Trainer(RoundLoop):
         (``PaddedSplit.chunk_plan``), through :meth:`map_pieces`; each chunk's inputs are
         gathered when it runs."""
         split.mask  # noqa: B018 - a cached property, built here rather than by two chunks
-        plan = split.chunk_plan(self.eval_chunk, active)
+        plan = split.chunk_plan(self.eval_chunk, active, self.uploads)
         return self.map_pieces(lambda piece: fn(*split.inputs(*piece)), plan)
 
     # ---- measurements ---------------------------------------------------------------------
@@ -709,7 +713,7 @@ class Trainer(RoundLoop):
         idx, weight = round_batches(split.counts.cpu().numpy(), ids, self.cfg.seed, self.round,
                                     a.batch_size, self.finetune_epochs, stream=1,
                                     mean=a.loss_divisor == "batch")  # fmt: skip
-        for st in step_plan(idx, weight, split.y.shape[1], self.device)[0]:
+        for st in step_plan(idx, weight, split.y.shape[1], self.device, upload=self.uploads)[0]:
             x, y = split.take_flat(st.flat, st.shape)
             sw = st.weight[:, None, :].expand(-1, self.M, -1)
             grad, _ = self.surrogate.shared_grad(self, theta[st.sel], personal, st.rows, x, y, sw)

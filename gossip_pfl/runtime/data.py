@@ -84,7 +84,7 @@ class PaddedSplit:
         return self.counts.cpu().numpy()
 
     def chunk_plan(
-        self, budget: int, active: np.ndarray | None = None
+        self, budget: int, active: np.ndarray | None = None, upload: Uploads | None = None
     ) -> list[tuple[torch.Tensor, torch.Tensor | slice, slice]]:
         """(rows, how to index them, sample slice) pieces that cover every real sample once,
         each holding at most about ``budget`` samples over all its peers; planned once per
@@ -95,27 +95,28 @@ class PaddedSplit:
         positions. A piece holding every peer indexes them with a slice, so its inputs are
         views, not copies (the synthetic test split is 900 MB: copying it cost more than the
         products). ``active`` (L,) bool: only those peers' samples (a round's participants;
-        planned anew each time)."""
+        planned anew each time, its rows copied through ``upload``, see :func:`step_plan`)."""
         if active is not None and not active.all():
-            return self._plan(budget, np.where(active, self.host_counts, 0), subset=True)
+            counts = np.where(active, self.host_counts, 0)
+            return self._plan(budget, counts, upload or Uploads(self.y.device, staged=False))
         plans = self.__dict__.setdefault("_plans", {})
         if budget not in plans:
             plans[budget] = self._plan(budget, self.host_counts)
         return plans[budget]
 
-    def _plan(self, budget: int, counts: np.ndarray, subset: bool = False) -> list[tuple]:
-        """:meth:`chunk_plan` of each peer's first ``counts`` (L,) samples (``subset``: of
-        the peers with a count, the others sitting out)."""
+    def _plan(self, budget: int, counts: np.ndarray, upload: Uploads | None = None) -> list:
+        """:meth:`chunk_plan` of each peer's first ``counts`` (L,) samples (with ``upload``:
+        of the peers with a count, the others sitting out; the rows in one copy)."""
         L, device = len(counts), self.y.device
-        n_max = int(counts.max(initial=0)) if subset else self.y.shape[1]
+        n_max = int(counts.max(initial=0)) if upload else self.y.shape[1]
         if dense_layout(device) and 0 < L * n_max <= budget:
             # a GPU: one call over the padded stack (views), its padding cheaper than calls;
             # a round's participants: one call over their rows (a copy)
-            if not subset:
+            if not upload:
                 return [(torch.arange(L, device=device), slice(None), slice(0, n_max))]
-            rows = torch.as_tensor(np.flatnonzero(counts > 0), device=device)
+            rows = upload("chunk_rows", np.flatnonzero(counts > 0))
             return [(rows, rows, slice(0, n_max))]
-        plan, start = [], 0
+        pieces, start = [], 0  # (peers, sample slice, peers a call or 0 for a slice of all)
         while start < n_max:
             active = np.flatnonzero(counts > start)
             if len(active) == 0:
@@ -124,12 +125,19 @@ class PaddedSplit:
             cap = max(1, budget // len(active))  # all of them in one call
             width = max(min(half - start, cap), min(32, budget, n_max - start), 1)
             sl = slice(start, min(start + width, n_max))
-            rows = torch.as_tensor(active, device=device)
-            if len(active) == L and cap >= width:
-                plan.append((rows, slice(None), sl))
-            else:
-                plan.extend((r, r, sl) for r in rows.split(max(1, budget // width)))
+            whole = len(active) == L and cap >= width
+            pieces.append((active, sl, 0 if whole else max(1, budget // width)))
             start = sl.stop
+        if not pieces:
+            return []
+        up = upload or (lambda name, array: torch.as_tensor(array, device=device))
+        rows = up("chunk_rows", np.concatenate([a for a, _, _ in pieces]))
+        plan = []
+        for (_, sl, per_call), r in zip(pieces, rows.split([len(a) for a, _, _ in pieces])):
+            if per_call == 0:
+                plan.append((r, slice(None), sl))
+            else:
+                plan.extend((c, c, sl) for c in r.split(per_call))
         return plan
 
     @cached_property
@@ -281,8 +289,9 @@ class Step:
 
 
 def step_plan(
-    idx: np.ndarray, weight: np.ndarray, n_max: int, device, prefix: bool = False
-) -> tuple[list[Step], torch.Tensor | None]:
+    idx: np.ndarray, weight: np.ndarray, n_max: int, device, prefix: bool = False,
+    upload: Uploads | None = None,
+) -> tuple[list[Step], torch.Tensor | None]:  # fmt: skip
     """A round's :func:`round_batches` plan as device tensors, uploaded at once, and the
     order of the stack its steps work on (None: the peers' own order).
 
@@ -290,7 +299,9 @@ def step_plan(
     its batch is cut to the longest real one: padding is front-to-back, and costs. All of it
     is worked out on the host and uploaded in three copies per round, then split into
     per-step views: a per-step nonzero() or upload would stop the host at every step on a
-    GPU, and every step would pay a dozen small operations for it.
+    GPU, and every step would pay a dozen small operations for it. The copies go through
+    ``upload`` (a caller's :class:`Uploads`, kept across rounds): on a GPU, copies from
+    pageable memory would each wait for the work queued before them (the round's E-step).
 
     A step of some of the peers gathers their rows and writes them back: with a CNN's
     millions of parameters a peer, five passes over them a step. With ``prefix``, where no peer
@@ -322,14 +333,15 @@ def step_plan(
         sizes.append((len(r), width))
     if not sizes:
         return [], None
-    up = lambda parts, dtype: torch.as_tensor(np.concatenate(parts), dtype=dtype, device=device)  # noqa: E731
-    flat_d = up(flat, torch.long).split([a * w for a, w in sizes])
-    wts_d = up(wts, torch.float32).split([a * w for a, w in sizes])
+    upload = upload or Uploads(device, staged=False)
+    up = lambda name, parts, dtype: upload(name, np.concatenate(parts).astype(dtype, copy=False))  # noqa: E731
+    flat_d = up("plan_flat", flat, np.int64).split([a * w for a, w in sizes])
+    wts_d = up("plan_weight", wts, np.float32).split([a * w for a, w in sizes])
     if order is None:
-        rows_d = up(rows, torch.long).split([a for a, _ in sizes])
+        rows_d = up("plan_rows", rows, np.int64).split([a for a, _ in sizes])
         sels = [slice(None) if a == L else r for r, (a, _) in zip(rows_d, sizes)]
     else:  # every step's rows are a prefix of the order
-        order_d = up([order], torch.long)
+        order_d = up("plan_rows", [order], np.int64)
         rows_d = [order_d[:a] for a, _ in sizes]
         sels = [slice(None) if a == L else slice(0, a) for a, _ in sizes]
     plan = [
