@@ -724,7 +724,8 @@ class Trainer(RoundLoop):
         """(1/n) sum_i ||theta_{m,i} - theta_bar_m||^2 per component, over all ranks."""
         theta = self.nodes[: len(self.peers)].double()
         mean = self.comm.all_reduce_sum(theta.sum(0)) / self.n_peers
-        dist2 = ((theta - mean) ** 2).sum(dim=(0, 2))
+        diff = theta - mean  # squared by a product: pow's first call on a GPU takes 35 ms
+        dist2 = (diff * diff).sum(dim=(0, 2))
         return (self.comm.all_reduce_sum(dist2) / self.n_peers).tolist()
 
     @torch.no_grad()

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from gossip_pfl.runtime.comm import row_index
 from gossip_pfl.runtime.placement import Placement
 from topologies import Phase
 
@@ -70,13 +71,6 @@ def _block(rows, cols, vals, shape, device) -> torch.Tensor:
         return coo.coalesce().to_sparse_csr().to(device)
 
 
-def _as_rows(idx: np.ndarray, device) -> torch.Tensor | slice:
-    """A contiguous run of rows is sent as a view (no copy), anything else by index."""
-    if len(idx) and np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx))):
-        return slice(int(idx[0]), int(idx[0]) + len(idx))
-    return torch.as_tensor(idx, device=device)
-
-
 def weight_by_size(phase: Phase, sizes: np.ndarray) -> Phase:
     """The phase with neighbour j weighted by its sample count n_j:
     ``W_ij n_j / sum_k W_ik n_k`` (row-stochastic; a node in no row keeps its value).
@@ -113,7 +107,7 @@ def plan_phase(phase: Phase, placement: Placement, device: torch.device) -> Phas
     out = (col_owner == me) & (row_owner != me)
     sends = {}
     for r in np.unique(row_owner[out]):
-        sends[int(r)] = _as_rows(pos[np.unique(cols[out & (row_owner == r)])], device)
+        sends[int(r)] = row_index(pos[np.unique(cols[out & (row_owner == r)])], device)
 
     # My rows: a block over my own nodes (nodes with no row keep their value) ...
     mine = row_owner == me
