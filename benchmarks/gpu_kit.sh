@@ -22,8 +22,8 @@ KIT=.gpu_kit
 PY=${PYTHON:-python3}
 OUT=${OUT:-runs/gpu_kit}
 ANCHOR=5e626a6  # the speed issue's anchor: 15.5 s for 200 synthetic rounds on an H100
-BASE=a803af0  # the last tree timed on a GPU: before the loop lost its per-round synchronisations
-              # and the trainer gained the reordered plan
+BASE=74a0301  # the last tree timed on a GPU (the fourth lease, an H200): before the round's
+              # plan went up through page-locked buffers and the evaluation lost its index_put_
 
 # cvxpy 1.6 (not 1.9: its extra solvers would not fit the carry) with SCS and Clarabel for
 # the FMMC weights, pyzmq for the peer-to-peer transport, pytest >= 8.4 (pyproject.toml's
@@ -149,7 +149,8 @@ case "${1:-}" in
         install
         # under the device tool's 10-minute call; the H100 lease's stages took: the suite
         # 48 to 72 s (8 workers), synthetic 98 s (four runs and the anchor), ops 20 s,
-        # profile 24 s, the CNN 169 s (bench_conv.py's 33 s is in `cnn`)
+        # profile 24 s, the CNN 169 s (bench_conv.py's 33 s is in `cnn`); the H200's (fourth
+        # lease): 83, 114, 16, 24, 71 and 15 s (the base's CNN), 335 s in all
         stage tests 90 $PY -m pytest -n 8 --maxprocesses 8 -rs -q --durations=12
         bench 150 35 40 180 800 float32,bf16 60
         ;;

@@ -60,8 +60,9 @@ def _worker(rank, world, port, fn, args, out_dir, environ, env):
     import torch
 
     if os.environ.get("CUDA_VISIBLE_DEVICES") == "":
-        # the test hid the GPU (conftest.py), but a rank forked from the fork server can carry
-        # the CUDA runtime's device count from before the fork, so torch would still see it
+        # the test hid the GPU (conftest.py): on the H200, ranks forked from a fork server
+        # that a module-scoped fixture had started with the GPU visible still found CUDA
+        # available, with 0 devices
         torch.cuda.is_available = lambda: False
     torch.set_num_threads(1)
     try:
@@ -85,7 +86,9 @@ def _context():
     # modules on PYTHONPATH, set while it starts. A preload that does not import is skipped
     # without a word (tests/test_speed.py checks that a rank has them).
     path = os.pathsep.join(filter(None, [str(Path(__file__).parent), os.getenv("PYTHONPATH")]))
-    with mock.patch.dict(os.environ, PYTHONPATH=path):  # restored after, as it was
+    # the server never sees a GPU, whichever test starts it (a module-scoped fixture runs
+    # before conftest.py hides the GPU): its ranks are CPU ranks
+    with mock.patch.dict(os.environ, PYTHONPATH=path, CUDA_VISIBLE_DEVICES=""):
         forkserver.ensure_running()
     return ctx
 
