@@ -48,6 +48,7 @@ prepare() {
     mkdir -p "$KIT/anchor" "$KIT/base" "$KIT/cache" || exit 2
     git archive "$ANCHOR" | tar -x -C "$KIT/anchor" && git archive "$BASE" | tar -x -C "$KIT/base" \
         || exit 2
+    echo "$BASE" > "$KIT/base/COMMIT"  # the tree there (bench_cnn.py reads this checkout's HEAD)
     cp -r "${GOSSIP_PFL_CACHE:-$HOME/.cache/gossip-pfl}/fmmc" "$KIT/cache/" 2>/dev/null || true
     du -sh "$KIT"
 }
@@ -72,6 +73,7 @@ install() {
         nvidia-smi
         $PY -c "import torch, cvxpy, zmq; print('torch', torch.__version__, torch.cuda.get_device_name(), 'cvxpy', cvxpy.__version__, 'pyzmq', zmq.__version__)"
         git rev-parse --short HEAD 2>/dev/null || echo "commit: not a git checkout"
+        echo "base: $(cat "$KIT/base/COMMIT" 2>/dev/null || echo "unknown: run prepare again")"
         # the device's copy of the tree can carry a stale HEAD (it read 424f8af for fb043e2):
         # `benchmarks/gpu_kit.sh sources` here prints the same hash for the same sources
         sources
@@ -150,7 +152,7 @@ case "${1:-}" in
         # under the device tool's 10-minute call; the H100 lease's stages took: the suite
         # 48 to 72 s (8 workers), synthetic 98 s (four runs and the anchor), ops 20 s,
         # profile 24 s, the CNN 169 s (bench_conv.py's 33 s is in `cnn`); the H200's (fourth
-        # lease): 83, 114, 16, 24, 71 and 15 s (the base's CNN), 335 s in all
+        # lease): 83, 114, 16, 24, 71 and 15 s (the base's CNN), 335 s with the install
         stage tests 90 $PY -m pytest -n 8 --maxprocesses 8 -rs -q --durations=12
         bench 150 35 40 180 800 float32,bf16 60
         ;;

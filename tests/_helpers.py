@@ -95,7 +95,9 @@ def _context():
 
 def run_ranks(world: int, fn, *args, timeout: float = 120.0, env: dict | None = None) -> list:
     """Run ``fn(*args)`` on ``world`` new processes set up like torchrun's; returns each
-    rank's ("ok", value) or ("error", message), or ("missing", exitcode) for a dead rank.
+    rank's ("ok", value) or ("error", message), or ("missing", exitcode) for a dead rank. The
+    ranks are CPU ranks: their fork server never sees a GPU (a CUDA test of several ranks
+    would need processes of its own, e.g. a spawn context).
 
     Each rank is a fresh process, as under torchrun (no state of this one: its function and
     arguments come pickled, its environment is this one's), forked from a fork server that has

@@ -14,7 +14,7 @@ from _helpers import run_ranks, toy_dataset
 from gossip_pfl.config import load_config
 from gossip_pfl.errors import GossipError
 from gossip_pfl.runtime import exchange
-from gossip_pfl.runtime.comm import Pending
+from gossip_pfl.runtime.comm import LocalComm, Pending, gather_rows, row_index
 from gossip_pfl.runtime.placement import Placement
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout
 from gossip_pfl.train import Trainer
@@ -279,6 +279,21 @@ def test_rows_added_one_by_one_do_not_depend_on_how_they_are_cut(monkeypatch):
     only_b = base.clone()
     exchange.add_rows(only_b, w, [(3, 2, cut_b)])
     torch.testing.assert_close(only_b, base + w[:, 3:] @ rows[3:])
+
+
+def test_gathered_rows_land_at_their_positions_whichever_the_index():
+    """gather_rows against writing each row by hand: a contiguous run of positions goes
+    through a slice (no indexing kernel), any other set through an index, including runs
+    that start at 0, descend, skip, hold one row or none."""
+    g = torch.Generator().manual_seed(0)
+    for positions in ([0, 1, 2, 3], [2, 3, 4], [5], [], [4, 3, 2], [0, 2, 5], range(3, 7)):
+        rows = torch.randn(len(positions), 3, generator=g, dtype=torch.float64)
+        want = torch.zeros(7, 3, dtype=torch.float64)
+        for k, p in enumerate(positions):
+            want[p] = rows[k]
+        assert torch.equal(gather_rows(LocalComm(torch.device("cpu")), rows, positions, 7), want)
+    assert row_index(np.array([2, 3, 4]), "cpu") == slice(2, 5)
+    assert torch.equal(row_index(np.array([-1, 0]), "cpu"), torch.tensor([-1, 0]))
 
 
 @pytest.mark.parametrize("world", [0, 9])
