@@ -97,22 +97,24 @@ class PaddedSplit:
         products). ``active`` (L,) bool: only those peers' samples (a round's participants;
         planned anew each time, its rows copied through ``upload``, see :func:`step_plan`)."""
         if active is not None and not active.all():
-            counts = np.where(active, self.host_counts, 0)
-            return self._plan(budget, counts, upload or Uploads(self.y.device, staged=False))
+            return self._plan(budget, np.where(active, self.host_counts, 0), True, upload)
         plans = self.__dict__.setdefault("_plans", {})
         if budget not in plans:
             plans[budget] = self._plan(budget, self.host_counts)
         return plans[budget]
 
-    def _plan(self, budget: int, counts: np.ndarray, upload: Uploads | None = None) -> list:
-        """:meth:`chunk_plan` of each peer's first ``counts`` (L,) samples (with ``upload``:
-        of the peers with a count, the others sitting out; the rows in one copy)."""
+    def _plan(
+        self, budget: int, counts: np.ndarray, subset: bool = False, upload: Uploads | None = None
+    ) -> list:
+        """:meth:`chunk_plan` of each peer's first ``counts`` (L,) samples (``subset``: of
+        the peers with a count, the others sitting out), the rows in one copy."""
         L, device = len(counts), self.y.device
-        n_max = int(counts.max(initial=0)) if upload else self.y.shape[1]
+        upload = upload or Uploads(device, staged=False)
+        n_max = int(counts.max(initial=0)) if subset else self.y.shape[1]
         if dense_layout(device) and 0 < L * n_max <= budget:
             # a GPU: one call over the padded stack (views), its padding cheaper than calls;
             # a round's participants: one call over their rows (a copy)
-            if not upload:
+            if not subset:
                 return [(torch.arange(L, device=device), slice(None), slice(0, n_max))]
             rows = upload("chunk_rows", np.flatnonzero(counts > 0))
             return [(rows, rows, slice(0, n_max))]
@@ -130,8 +132,7 @@ class PaddedSplit:
             start = sl.stop
         if not pieces:
             return []
-        up = upload or (lambda name, array: torch.as_tensor(array, device=device))
-        rows = up("chunk_rows", np.concatenate([a for a, _, _ in pieces]))
+        rows = upload("chunk_rows", np.concatenate([a for a, _, _ in pieces]))
         plan = []
         for (_, sl, per_call), r in zip(pieces, rows.split([len(a) for a, _, _ in pieces])):
             if per_call == 0:
