@@ -5,14 +5,17 @@ images with the same batch size; float32, TF32 and bf16; peak memory; and, with
 ``--max-peers``, the most peers one device holds.
 
     python benchmarks/bench_cnn.py [--device cuda] [--rounds 3] [--modes float32,tf32,bf16]
-        [--max-peers 3200 [--bisect 2]] [--profile] [--json runs/bench_cnn.json]
+        [--step-graphs off,on] [--max-peers 3200 [--bisect 2]] [--profile]
+        [--json runs/bench_cnn.json]
     # a smoke test on a CPU (narrow model, 5% of the images, 10 clients):
     python benchmarks/bench_cnn.py --device cpu --fraction 0.05 --peers 10 \
         --channels 8,16 --hidden 64
 
 ``local s`` is the median over ``--rounds`` of ``Trainer.local_work`` (E-step, one epoch of
 momentum SGD on every peer and component, what is sent), after one warm-up round, the device
-synchronised around each; evaluation and mixing are not in it. The floor is a plain PyTorch
+synchronised around each; evaluation and mixing are not in it (``first s``: the warm-up
+round, with ``--step-graphs on`` the captures of its step shapes' CUDA graphs,
+``runtime.cuda_graph_steps``). The floor is a plain PyTorch
 loop: one model of the same architecture, SGD with the config's momentum and weight decay, one
 epoch over every client's training images (the images and labels resident on the device,
 batches drawn by a permutation on the device): the fewest kernels an epoch of those images can
@@ -60,7 +63,7 @@ def peak_gb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
 
 
-def overrides(args, peers: int, mode: str) -> list[str]:
+def overrides(args, peers: int, mode: str, graphs: bool = False) -> list[str]:
     precision, tf32 = MODES[mode]
     # past --peers (--max-peers) the images thin out, and the config's skewed partition had no
     # draw with 10 images a client for 400 clients (an H200 call): near-equal clients there
@@ -72,6 +75,7 @@ def overrides(args, peers: int, mode: str) -> list[str]:
         f"runtime.device={args.device}",
         f"runtime.precision={precision}",
         f"runtime.tf32={str(tf32).lower()}",
+        f"runtime.cuda_graph_steps={str(graphs).lower()}",
         "runtime.deterministic=false",  # cuDNN picks its fastest kernels, as a user's run may
         f"data.n_clients={peers}",
         f"data.fraction={args.fraction}",
@@ -81,14 +85,18 @@ def overrides(args, peers: int, mode: str) -> list[str]:
     ]
 
 
-def fedem_round(args, peers: int, mode: str) -> tuple[dict, Trainer]:
+def fedem_round(args, peers: int, mode: str, graphs: bool = False) -> tuple[dict, Trainer]:
     """Median seconds of FedEM's local work per round and the peak memory."""
-    cfg = load_config(CONFIG, overrides(args, peers, mode))
+    cfg = load_config(CONFIG, overrides(args, peers, mode, graphs))
     trainer = Trainer(cfg, log=lambda *a: None)
     device = trainer.device
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    trainer.local_work(0)  # warm-up: plans, caches, cuDNN's choices
+    sync(device)
+    t0 = time.perf_counter()
+    trainer.local_work(0)  # warm-up: plans, caches, cuDNN's choices, the graphs' captures
+    sync(device)
+    first = time.perf_counter() - t0
     times = []
     for t in range(1, args.rounds + 1):
         sync(device)
@@ -97,7 +105,8 @@ def fedem_round(args, peers: int, mode: str) -> tuple[dict, Trainer]:
         sync(device)
         times.append(time.perf_counter() - t0)
     samples = int(trainer.train.mask.sum())
-    row = {"peers": peers, "mode": mode, "local_s": statistics.median(times),
+    row = {"peers": peers, "mode": mode, "step_graphs": graphs,
+           "local_s": statistics.median(times), "first_s": first,
            "peak_gb": peak_gb(device), "train_samples": samples}  # fmt: skip
     return row, trainer
 
@@ -246,6 +255,8 @@ def main() -> None:
     ap.add_argument("--conv", default="auto",
                     help="the convolutions' forms, side by side: auto (the device's), groups, "
                     "products (gossip_pfl.models.conv_blocks)")  # fmt: skip
+    ap.add_argument("--step-graphs", default="off",
+                    help="runtime.cuda_graph_steps, side by side: off, on or off,on")  # fmt: skip
     ap.add_argument("--no-floor", action="store_true", help="skip the one-model floor")
     ap.add_argument("--json", type=Path, default=ROOT / "runs" / "bench_cnn.json")
     args = ap.parse_args()
@@ -259,18 +270,22 @@ def main() -> None:
         ap.error(f"--modes: unknown {', '.join(unknown)}; known: {', '.join(MODES)}")
     if args.device == "cpu":
         modes = [m for m in modes if m != "tf32"]  # TF32 is a CUDA setting
+    graph_set = {"off": False, "on": True}
+    if any(g not in graph_set for g in args.step_graphs.split(",")):
+        ap.error(f"--step-graphs: {args.step_graphs!r}; known: off, on, off,on")
+    graphs = [graph_set[g] for g in args.step_graphs.split(",")]
 
     own = models.CONV_AS_PRODUCTS
     devices = {c: own if CONV_FORMS[c] is None else CONV_FORMS[c] for c in convs}
     rows = []
     for conv in convs:
         models.CONV_AS_PRODUCTS = devices[conv]
-        for mode in modes:
-            row, trainer = fedem_round(args, args.peers, mode)
+        for mode, graphed in ((m, g) for m in modes for g in graphs):
+            row, trainer = fedem_round(args, args.peers, mode, graphed)
             row["conv"] = conv
             if args.profile and not rows:
                 print(profile_round(trainer, args.rounds + 1), flush=True)
-            if not args.no_floor and conv == convs[0]:
+            if not args.no_floor and conv == convs[0] and graphed == graphs[0]:
                 row["floor_s"] = floor_epoch(args, trainer, mode)
             rows.append(row)
             print(f"# {json.dumps(row)}", flush=True)  # as it goes: a run cut short keeps these
@@ -291,14 +306,15 @@ def main() -> None:
     print(f"# commit {record['commit']}, {record['machine']}, device {args.device}; "
           f"written to {args.json}")  # fmt: skip
     f32 = next((r["floor_s"] for r in rows if r["mode"] == "float32" and "floor_s" in r), None)
-    print("| conv | mode | peers x M | train samples | FedEM local s/round | one-model floor "
-          "s/epoch | local / float32 floor | peak GiB |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|")
+    print("| conv | mode | step graphs | peers x M | train samples | FedEM local s/round | "
+          "first s | one-model floor s/epoch | local / float32 floor | peak GiB |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['local_s'] / f32:.2f}" if f32 else "-"
         floor = f"{r['floor_s']:.3f}" if "floor_s" in r else "-"
-        print(f"| {r['conv']} | {r['mode']} | {r['peers']} x 3 | {r['train_samples']} | "
-              f"{r['local_s']:.3f} | {floor} | {ratio} | {r['peak_gb']:.2f} |")  # fmt: skip
+        print(f"| {r['conv']} | {r['mode']} | {'on' if r['step_graphs'] else 'off'} | "
+              f"{r['peers']} x 3 | {r['train_samples']} | {r['local_s']:.3f} | "
+              f"{r['first_s']:.3f} | {floor} | {ratio} | {r['peak_gb']:.2f} |")  # fmt: skip
     for r in scale:
         fits = r["error"] if r["local_s"] is None else (
             f"{r['local_s']:.3f} s/round, {r['peak_gb']:.2f} GiB")  # fmt: skip

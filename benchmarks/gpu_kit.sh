@@ -23,7 +23,8 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-runs/gpu_kit}
 ANCHOR=5e626a6  # the speed issue's anchor: 15.5 s for 200 synthetic rounds on an H100
 BASE=74a0301  # the last tree timed on a GPU (the fourth lease, an H200): before the round's
-              # plan went up through page-locked buffers and the evaluation lost its index_put_
+              # plan went up through page-locked buffers and the evaluation lost its index_put_,
+              # and before the CNN's steps could run as CUDA graphs (runtime.cuda_graph_steps)
 
 # cvxpy 1.6 (not 1.9: its extra solvers would not fit the carry) with SCS and Clarabel for
 # the FMMC weights, pyzmq for the peer-to-peer transport, pytest >= 8.4 (pyproject.toml's
@@ -96,10 +97,12 @@ stage() {
     return 0
 }
 
-# bench SYNTHETIC_S OPS_S PROFILE_S CNN_S MAX_PEERS CNN_MODES BASE_S: 200 synthetic rounds on
-# the GPU (this tree without CUDA graphs once, then with them twice, alternating with the
-# $BASE tree; then the anchor), operations per round, a profile of a round (both ways), the
-# CNN (with a profile of a round and the most clients), the CNN on the $BASE tree
+# bench SYNTHETIC_S OPS_S PROFILE_S CNN_S MAX_PEERS CNN_MODES BASE_S [STEP_GRAPHS]: 200
+# synthetic rounds on the GPU (this tree without CUDA graphs once, then with them twice,
+# alternating with the $BASE tree; then the anchor), operations per round, a profile of a
+# round (both ways), the CNN (with a profile of a round, the most clients up to MAX_PEERS, 0:
+# none, and each mode with its steps eager and as CUDA graphs where STEP_GRAPHS is off,on),
+# the CNN on the $BASE tree
 bench() {
     export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
     # a failed run shows its last lines, the others still run, and the stage then fails
@@ -125,7 +128,7 @@ bench() {
     stage profile "$3" bash -c '$PY benchmarks/gpu_profile.py --set runtime.cuda_graphs=false &&
         $PY benchmarks/gpu_profile.py'
     stage cnn "$4" $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers "$5" \
-        --modes "$6" --profile --json "$OUT/bench_cnn.json"
+        --modes "$6" --step-graphs "${8:-off}" --profile --json "$OUT/bench_cnn.json"
     cnn_base "$7"
 }
 
@@ -146,15 +149,16 @@ case "${1:-}" in
         # pyproject's --maxprocesses 4 (for 2-core CI machines) would cap -n
         stage tests 500 $PY -m pytest -n 8 --maxprocesses 8 -rs
         ;;
-    bench) install; bench 170 60 80 200 3200 float32,tf32,bf16 60 ;;
+    bench) install; bench 170 60 80 240 3200 float32,tf32,bf16 60 off,on ;;
     all)
         install
         # under the device tool's 10-minute call; the H100 lease's stages took: the suite
         # 48 to 72 s (8 workers), synthetic 98 s (four runs and the anchor), ops 20 s,
         # profile 24 s, the CNN 169 s (bench_conv.py's 33 s is in `cnn`); the H200's (fourth
         # lease): 83, 114, 16, 24, 71 and 15 s (the base's CNN), 335 s with the install
+        # the CNN's steps eager and as CUDA graphs, not its most clients (800 fit an H200)
         stage tests 90 $PY -m pytest -n 8 --maxprocesses 8 -rs -q --durations=12
-        bench 150 35 40 180 800 float32,bf16 60
+        bench 150 35 40 200 0 float32,bf16 60 off,on
         ;;
     cnn)
         # the CNN's two forms of the convolutions side by side, for a short lease: the CUDA
@@ -165,9 +169,9 @@ case "${1:-}" in
         stage tests 60 $PY -m pytest -n 4 --maxprocesses 4 -rs -q -m cuda tests
         stage conv 45 $PY benchmarks/bench_conv.py --device $DEV
         stage solver 60 $PY benchmarks/bench_solver.py --device $DEV
-        stage cnn 170 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers 800 \
-            --bisect 2 --modes float32,tf32,bf16 --conv products --no-floor --profile \
-            --json "$OUT/bench_cnn.json"
+        stage cnn 200 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers 800 \
+            --bisect 2 --modes float32,tf32,bf16 --step-graphs off,on --conv products \
+            --no-floor --profile --json "$OUT/bench_cnn.json"
         stage cnn_groups 100 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 \
             --modes float32,bf16 --conv groups --no-floor --json /tmp/bench_cnn_groups.json
         cnn_base 60

@@ -52,6 +52,7 @@ from gossip_pfl.runtime.data import (
     step_plan,
 )
 from gossip_pfl.runtime.exchange import Exchanger, weight_by_size
+from gossip_pfl.runtime.graphs import GraphReplay
 from gossip_pfl.runtime.messages import Bundle
 from gossip_pfl.runtime.participation import (
     participant_count,
@@ -198,6 +199,12 @@ class Trainer(RoundLoop):
         graphs = rt.cuda_graphs and self.device.type == "cuda"
         self.forward = BatchedForward(model, self.layout, rt.batching, rt.precision, kernels,
                                       graphs)  # fmt: skip
+        # runtime.cuda_graph_steps: the local steps as CUDA graphs, one per step shape (a
+        # round's dozens of shapes in one memory pool; _step_graph)
+        self.step_graphs = None
+        if rt.cuda_graph_steps and self.device.type == "cuda":
+            self.step_graphs = GraphReplay(keep=1024, share_pool=True)
+        self._held: dict[str, torch.Tensor] = {}  # what the graphs read, held across rounds
         self.task = task
         # Samples per batched call (0 in the config: the model's CPU hint, else no limit for
         # steps and 16384 for evaluation). On a GPU bigger calls are better, so no hint there.
@@ -448,19 +455,19 @@ class Trainer(RoundLoop):
         the plan's order, each step's peers a slice); ``scale`` is each peer's step-size
         multiplier in the same order."""
         L, a = len(self.peers), self.cfg.algorithm
-        anchor = theta.clone() if self.solver.prox_mu else None
         qt = None
         if q is not None:  # (L * N, M): a step's responsibilities are one index_select
             qt = q.expand(L, self.M, -1).transpose(1, 2).reshape(-1, self.M)
         # plain SGD (no momentum, decay, proximal term or correction): theta -= c g in one
         # scatter-add per step, the step size c of every peer worked out once per round
-        if plain:
-            neg_step = -(self.solver.lr * factor) * scale[:, None, None]  # (L, 1, 1)
+        neg_step = -(self.solver.lr * factor) * scale[:, None, None] if plain else None
+        graph, anchor = self._step_graph(theta, opt_state, scale, factor, neg_step)
+        if anchor is None and self.solver.prox_mu:
+            anchor = theta.clone()
         for st in plan:
             rows, sel = st.rows, st.sel
             peers = rows if reordered else sel  # the step's peers in their own order
             A, width = st.shape
-            x, y = self.train.take_flat(st.flat, st.shape)
             # the samples' weights: responsibilities (none: 1) times the padding mask, (A, M, B)
             b_w = st.weight
             if qt is None:
@@ -468,6 +475,10 @@ class Trainer(RoundLoop):
             else:
                 sw = qt.index_select(0, st.flat).view(A, width, self.M) * b_w[..., None]
                 sw = sw.transpose(1, 2)
+            if graph is not None and isinstance(sel, slice):
+                graph(st, sw)
+                continue
+            x, y = self.train.take_flat(st.flat, st.shape)
             grad, loss = self.surrogate.shared_grad(self, theta[sel], personal, rows, x, y, sw)
             if plain:
                 if isinstance(sel, slice):
@@ -495,6 +506,55 @@ class Trainer(RoundLoop):
 
                 extra.update(loss=loss, loss_at=loss_at, batches=self.batches_per_epoch[peers])
             self.solver.step(theta, grad, opt_state, sel, scale, factor, anchor, **extra)
+
+    def _step_graph(self, theta, opt_state, scale, factor: float, neg_step):
+        """This round's steps as CUDA graphs (``runtime.cuda_graph_steps``): a function
+        ``(step, sw)`` that runs a step whose peers are a slice of the stack (the samples'
+        gather, the gradient, the solver's update) as the graph of its shape, captured at its
+        first call; and FedProx's anchor. None where a step reads more than tensors whose
+        places stay put: a loss kept for the rule (FedLi), a line search, a client's
+        correction (SCAFFOLD), a personal model (pFedMe, APFL), another solver. The round's
+        step sizes and anchor are copied into tensors held across rounds (``_hold``), which
+        the graphs read: a value taken from the host at capture would stay the first round's
+        (the lr schedule's factor)."""
+        if (self.step_graphs is None or self.track_loss or self.line_search
+                or self.client is not None or type(self.solver) is not LocalSGD
+                or getattr(self.surrogate, "step_reads_personal", True)):  # fmt: skip
+            return None, None
+        solver, train = self.solver, self.train
+        anchor = self._hold("anchor", theta) if solver.prox_mu else None
+        if neg_step is not None:
+            neg = self._hold("neg_step", neg_step)
+        else:
+            lr_scale = self._hold("scale", scale)
+            if "factor" not in self._held:  # (filled on the device: no upload)
+                self._held["factor"] = torch.zeros((), dtype=torch.float64, device=self.device)
+            lr_factor = self._held["factor"].fill_(factor)
+        # a graph reads these by their places: a new place (another stack) is another graph
+        held = (theta, opt_state.momentum, opt_state.eta, train.x, train.y, *self._held.values())
+        where = tuple(t.data_ptr() for t in held)
+
+        def step(st, sw) -> None:
+            def run(flat, sw, sel=st.sel, shape=st.shape) -> None:
+                x, y = train.take_flat(flat, shape)
+                grad, _ = self.surrogate.shared_grad(self, theta[sel], None, None, x, y, sw)
+                if neg_step is not None:
+                    theta[sel].add_(neg[sel] * grad)
+                else:
+                    solver.step(theta, grad, opt_state, sel, lr_scale, lr_factor, anchor)
+
+            key = (st.shape, st.sel == slice(None), solver, neg_step is None, where)
+            self.step_graphs(key, run, st.flat, sw)
+
+        return step, anchor
+
+    def _hold(self, name: str, value: torch.Tensor) -> torch.Tensor:
+        """A tensor of the trainer's kept across rounds (made again if ``value``'s shape or
+        type changes), holding ``value``'s values."""
+        held = self._held.get(name)
+        if held is None or held.shape != value.shape or held.dtype != value.dtype:
+            held = self._held[name] = torch.empty_like(value, device=self.device)
+        return held.copy_(value)
 
     def _record_plain_eta(self, opt_state, factor: float, stepped: bool) -> None:
         """The step size each peer took last (FedLi's clients send it), after plain SGD."""
@@ -1008,6 +1068,7 @@ class Trainer(RoundLoop):
             f"{self.placement.describe()}, M = {self.M}, {self.layout.numel} parameters per "
             f"component, device {self.device}, {self.threads}, "
             f"local work {self.forward.describe()}"
+            + (", its steps as CUDA graphs by shape" if self.step_graphs is not None else "")
         )
 
     def shared_parameters(self) -> np.ndarray:

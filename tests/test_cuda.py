@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -83,7 +85,7 @@ def test_cuda_graph_steps_equal_eager_steps(participation, sizes, tmp_path):
     torch.testing.assert_close(graphed.personal["pi"], eager.personal["pi"])
 
 
-def cnn_trainer(out, device: str) -> Trainer:
+def cnn_trainer(out, device: str, algorithm: dict | None = None, **runtime) -> Trainer:
     """FedEM on a small CNN with momentum and weight decay over 5 clients of 16x16 images: the
     solver's in-place step, the gradients by parameter leaf, the convolutions (patch
     products on CUDA; on the CPU the first as products, the second grouped)."""
@@ -97,8 +99,8 @@ def cnn_trainer(out, device: str) -> Trainer:
     cfg = load_config(base={
         "seed": 3, "rounds": 2, "model": {"name": "cnn", "channels": [3, 4], "hidden": 8},
         "algorithm": {"name": "fedem", "components": 2, "lr": 0.1, "batch_size": 8,
-                      "momentum": 0.9, "weight_decay": 1e-3},
-        "runtime": {"device": device}, "out": str(out),
+                      "momentum": 0.9, "weight_decay": 1e-3, **(algorithm or {})},
+        "runtime": {"device": device, **runtime}, "out": str(out),
     })  # fmt: skip
     return Trainer(cfg, dataset=data, log=lambda *a: None)
 
@@ -111,6 +113,30 @@ def test_cnn_fedem_on_cuda_equals_cpu(tmp_path):
     np.testing.assert_allclose(gpu.shared_parameters(), cpu.shared_parameters(),
                                rtol=1e-4, atol=1e-5)  # fmt: skip
     torch.testing.assert_close(gpu.personal["pi"].cpu(), cpu.personal["pi"], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["float32", "bf16"])
+@pytest.mark.parametrize("participation", [1.0, 0.6])
+def test_cnn_graphed_steps_equal_eager_steps(participation, precision, tmp_path):
+    """runtime.cuda_graph_steps: the CNN's FedEM steps (momentum, weight decay, the step
+    size cut tenfold after two of four rounds) as CUDA graphs, one per step shape, give the
+    eager steps' parameters, momentum, step sizes and mixture weights (the same kernels);
+    with 3 of 5 clients a round the steps' shapes change between rounds."""
+    runs = []
+    for graphs in (False, True):
+        tr = cnn_trainer(tmp_path / str(graphs), "cuda", {"lr_decay": [0.5]}, precision=precision,
+                         cuda_graph_steps=graphs)  # fmt: skip
+        tr.cfg.rounds = 4
+        if participation < 1:
+            tr.cfg.participation, tr.n_active = participation, 3
+        runs.append(rounds(tr, 4))
+    eager, graphed = runs
+    assert eager.step_graphs is None and len(graphed.step_graphs.graphs) >= 2
+    close = partial(torch.testing.assert_close, rtol=1e-6, atol=1e-7)
+    close(graphed.nodes, eager.nodes)
+    close(graphed.opt_state.momentum, eager.opt_state.momentum)
+    close(graphed.opt_state.eta, eager.opt_state.eta)
+    close(graphed.personal["pi"], eager.personal["pi"])
 
 
 def test_phase_clock_times_the_device_without_waiting_for_it():

@@ -58,6 +58,12 @@ def trainer(tmp_path, batching: str, algorithm: dict, task: str = "binary",
 
 def rounds(tr: Trainer, n: int = 3) -> Trainer:
     for t in range(n):
+        rounds_from(tr, t)
+    return tr
+
+
+def rounds_from(tr: Trainer, first: int, n: int = 1) -> Trainer:
+    for t in range(first, first + n):
         active = tr.sample(t)
         tr.local_work(t, active)
         tr.communicate(t, active)
@@ -859,6 +865,82 @@ def test_staged_uploads_take_turns_and_hand_out_copies():
     assert not any(t.data_ptr() == b.data_ptr() for f, i in got for t in (f, i) for b in buffers)
     plain = Uploads(torch.device("cpu"))  # a CPU takes the arrays as they are: no copy
     assert not plain.staged and plain("floats", arrays[0]).data_ptr() == arrays[0].ctypes.data
+
+
+GRAPH_CASES = {
+    "fedem, momentum, decay, lr schedule": {"name": "fedem", "components": 2, "momentum": 0.5,
+                                            "weight_decay": 1e-3, "lr_decay": [0.5]},
+    "dfedem (plain SGD)": {"name": "dfedem", "components": 3},
+    "fedprox, lr schedule": {"name": "fedprox", "components": 1, "mu": 0.1, "lr_decay": [0.5]},
+}  # fmt: skip
+
+
+def test_a_simulated_graph_keeps_what_its_first_call_read():
+    """``GraphReplay(simulate=True)``, the CPU's stand-in for a captured graph: a known key
+    runs the first call's function again on its buffers, this call's inputs copied in; a
+    value the function took from its closure stays the first call's, as in a graph."""
+    from gossip_pfl.runtime.graphs import GraphReplay
+
+    replay, out = GraphReplay(simulate=True), torch.zeros(2)
+    for k, x in ((1.0, 1.0), (2.0, 3.0)):
+        replay("key", lambda t, k=k: out.add_(t * k), torch.full((2,), x))
+    assert out.tolist() == [4.0, 4.0]  # 1 * 1, then 1 (not 2) * 3
+    replay("other", lambda t: out.add_(t * 2), torch.ones(2))
+    assert out.tolist() == [6.0, 6.0] and len(replay.graphs) == 2
+
+
+@pytest.mark.parametrize("reorder", [(), ("cpu",)])
+@pytest.mark.parametrize("case", list(GRAPH_CASES))
+def test_graphed_steps_give_the_eager_steps_bits(case, reorder, monkeypatch, tmp_path):
+    """``runtime.cuda_graph_steps`` (the local steps as a CUDA graph per step shape),
+    simulated on the CPU: where a graph would replay, the first call of that shape runs again,
+    closure and all (``GraphReplay(simulate=True)``). Four rounds, the step size cut tenfold
+    after two: the same bits as the eager steps in parameters, momentum, step sizes and
+    mixture weights, so nothing a graph would read stays the first round's (the schedule's
+    factor, each round's step sizes, FedProx's anchor). A gathered plan with every peer (its
+    steps of all peers graphed, the others eager) and a reordered one with half the peers a
+    round (every step graphed)."""
+    import gossip_pfl.train as train
+    from gossip_pfl.runtime.graphs import GraphReplay, _Recorded
+
+    monkeypatch.setattr(train, "REORDER_ON", reorder)
+    replays = []
+    monkeypatch.setattr(_Recorded, "replay", lambda self: replays.append(self.fn(*self.inputs)))
+    out = {}
+    for graphs in (False, True):
+        tr = trainer(tmp_path / str(graphs), "vmap", GRAPH_CASES[case],
+                     sizes=[40, 85, 20, 59, 33, 59])  # fmt: skip
+        if reorder:  # (a gathered plan's steps of some peers are eager)
+            tr.cfg.participation, tr.n_active = 0.5, 3
+        tr.step_graphs = GraphReplay(keep=1024, simulate=True) if graphs else None
+        out[graphs] = rounds(tr, 2)
+        captured = len(tr.step_graphs.graphs) if graphs else 0
+        rounds_from(tr, 2, 2)
+    eager, graphed = out[False], out[True]
+    assert captured >= 1 and len(replays) >= 4  # captured, replayed
+    # every round the same shapes: no graph captured after the first two rounds (gossip
+    # alternates between two stacks, each its own graphs)
+    if not reorder:
+        assert len(graphed.step_graphs.graphs) == captured
+    assert torch.equal(eager.nodes, graphed.nodes)
+    assert torch.equal(eager.opt_state.momentum, graphed.opt_state.momentum)
+    assert torch.equal(eager.opt_state.eta, graphed.opt_state.eta)
+    for k in eager.personal:
+        assert torch.equal(eager.personal[k], graphed.personal[k])
+
+
+@pytest.mark.parametrize("case", ["fedli_ls (line search)", "scaffold", "apfl"])
+def test_steps_that_read_more_than_tensors_are_not_graphed(case, tmp_path):
+    """A line search, a client's correction and a personal model read values a graph could
+    not hold: their steps stay eager under runtime.cuda_graph_steps."""
+    from gossip_pfl.runtime.graphs import GraphReplay
+
+    algorithm = REORDER_CASES.get(case) or REORDER_CASES[f"{case} " + {
+        "scaffold": "(a correction per peer)", "apfl": "(personal rows)"}[case]]  # fmt: skip
+    tr = trainer(tmp_path, "vmap", algorithm)
+    tr.step_graphs = GraphReplay(simulate=True)
+    rounds(tr, 2)
+    assert not tr.step_graphs.graphs
 
 
 @pytest.mark.parametrize("reorder", [(), ("cpu",)])

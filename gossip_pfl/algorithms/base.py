@@ -41,6 +41,9 @@ class Context(Protocol):
 class Surrogate(Protocol):
     components: int
     task: str
+    #: False: shared_grad reads neither ``personal`` nor ``rows`` (a step may then run as a
+    #: CUDA graph, ``runtime.cuda_graph_steps``); a surrogate without it is taken to read them
+    step_reads_personal: bool
 
     def init_personal(self, peers: np.ndarray, theta0: torch.Tensor) -> dict[str, torch.Tensor]:
         """Private state of the peers with ids ``peers`` (L of them; the ids seed any random

@@ -21,6 +21,7 @@ class _PersonalModelBase:
     components: int
     task: str
     batch_size: int
+    step_reads_personal = True  # shared_grad reads and updates the personal models
 
     def begin_round(self, ctx, theta, personal, mask):
         return personal, None

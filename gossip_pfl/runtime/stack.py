@@ -172,7 +172,9 @@ class BatchedForward:
         """``forward(params, x)`` in the run's precision: bf16 autocasts it and gives the
         logits back in float32."""
         if self.precision == "bf16":
-            with torch.autocast(x.device.type, dtype=torch.bfloat16):
+            # no cast cache (it saves only a parameter's second cast in one forward): a cache
+            # kept past a CUDA graph's capture would hold the capture's memory
+            with torch.autocast(x.device.type, dtype=torch.bfloat16, cache_enabled=False):
                 return forward(params, x).float()
         return forward(params, x)
 
