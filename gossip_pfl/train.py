@@ -517,6 +517,10 @@ class Trainer(RoundLoop):
         step sizes and anchor are copied into tensors held across rounds (``_hold``), which
         the graphs read: a value taken from the host at capture would stay the first round's
         (the lr schedule's factor)."""
+        if self.step_graphs is not None and self.step_graphs.failure is not None:
+            self.log(f"runtime.cuda_graph_steps: a step could not be captured as a CUDA "
+                     f"graph ({self.step_graphs.failure}); the steps run eagerly")  # fmt: skip
+            self.step_graphs = None
         if (self.step_graphs is None or self.track_loss or self.line_search
                 or self.client is not None or type(self.solver) is not LocalSGD
                 or getattr(self.surrogate, "step_reads_personal", True)):  # fmt: skip

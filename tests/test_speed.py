@@ -929,6 +929,36 @@ def test_graphed_steps_give_the_eager_steps_bits(case, reorder, monkeypatch, tmp
         assert torch.equal(eager.personal[k], graphed.personal[k])
 
 
+def test_a_failed_capture_leaves_the_steps_eager_and_says_so(tmp_path):
+    """A step a CUDA graph cannot hold (its capture raised, ``GraphReplay.failure``), in the
+    middle of the second round: its work was done by the run before the capture, the round's
+    later steps run eagerly, the next round's log says why once, and the numbers are the
+    eager steps' bits."""
+    from gossip_pfl.runtime.graphs import GraphReplay
+
+    class FailsOnce(GraphReplay):
+        calls = 0
+
+        def __call__(self, key, fn, *inputs) -> None:
+            self.calls += 1
+            if self.calls == 3:  # (a round has two steps of every peer, graphed)
+                self.failure = "operation not permitted when stream is capturing"
+            super().__call__(key, fn, *inputs)
+
+    case, sizes = GRAPH_CASES["fedem, momentum, decay, lr schedule"], [40, 85, 20, 59, 33, 59]
+    eager = rounds(trainer(tmp_path / "eager", "vmap", case, sizes=sizes), 3)
+    tr = trainer(tmp_path / "failed", "vmap", case, sizes=sizes)
+    tr.step_graphs, logged = FailsOnce(simulate=True), []
+    tr.log = logged.append
+    failing = tr.step_graphs
+    rounds(tr, 2)
+    assert failing.calls == 4 and not logged
+    rounds_from(tr, 2)
+    assert tr.step_graphs is None and len(logged) == 1 and "not permitted" in logged[0]
+    assert torch.equal(eager.nodes, tr.nodes)
+    assert torch.equal(eager.opt_state.momentum, tr.opt_state.momentum)
+
+
 @pytest.mark.parametrize("case", ["fedli_ls (line search)", "scaffold", "apfl"])
 def test_steps_that_read_more_than_tensors_are_not_graphed(case, tmp_path):
     """A line search, a client's correction and a personal model read values a graph could

@@ -48,8 +48,14 @@ class GraphReplay:
         self.keep, self.share_pool, self.simulate = keep, share_pool, simulate
         self.graphs: OrderedDict[Hashable, tuple] = OrderedDict()  # key -> (graph, inputs)
         self._pool = None  # the shared pool's handle, made at the first capture
+        #: why a capture failed (an operation a graph cannot hold); from then on every call
+        #: runs ``fn`` as it is, and the caller may say so once
+        self.failure: str | None = None
 
     def __call__(self, key: Hashable, fn: Callable[..., None], *inputs: torch.Tensor) -> None:
+        if self.failure is not None:
+            fn(*inputs)
+            return
         if key in self.graphs:
             self.graphs.move_to_end(key)
             graph, mine = self.graphs[key]
@@ -72,6 +78,11 @@ class GraphReplay:
         if self.share_pool and self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            fn(*mine)  # recorded, not run: this call's work was done above
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                fn(*mine)  # recorded, not run: this call's work was done above
+        except RuntimeError as err:  # e.g. an operation that waits for the device
+            self.failure = str(err).splitlines()[0] if str(err) else type(err).__name__
+            self.graphs.clear()
+            return
         self.graphs[key] = (graph, mine)
