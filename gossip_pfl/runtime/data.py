@@ -162,9 +162,12 @@ class PaddedSplit:
         column of ones appended, peer-major (see :attr:`offsets`). A linear model's [W, b]
         row times it is the logit, and the gradient's outer product gives dW and db in one
         batched product. Built once (about the size of the real training inputs), through
-        a bounded temporary."""
+        a bounded temporary. The real samples' rows come from the host's counts: a
+        ``nonzero`` on a GPU waits for the device (and loads its kernels at its first use)."""
         flat = self.x.flatten(0, 1).flatten(1)
-        rows = self.mask.flatten().nonzero().squeeze(1)
+        counts, n_max = self.host_counts, self.y.shape[1]
+        starts = np.repeat(np.arange(len(counts), dtype=np.int64) * n_max - self.offsets, counts)
+        rows = torch.as_tensor(starts + np.arange(int(counts.sum())), device=flat.device)
         out = flat.new_empty(len(rows), flat.shape[1] + 1)
         out[:, -1] = 1
         for part, at in zip(out.split(1 << 16), rows.split(1 << 16)):
