@@ -8,11 +8,8 @@ from functools import partial
 import numpy as np
 import pytest
 import torch
+from _helpers import cnn_trainer
 from test_speed import CASES, rounds, trainer
-
-from gossip_pfl.config import load_config
-from gossip_pfl.data.base import ClientData, FederatedDataset
-from gossip_pfl.train import Trainer
 
 pytestmark = pytest.mark.cuda
 
@@ -83,26 +80,6 @@ def test_cuda_graph_steps_equal_eager_steps(participation, sizes, tmp_path):
     np.testing.assert_allclose(graphed.shared_parameters(), eager.shared_parameters(),
                                rtol=1e-6, atol=1e-7)  # fmt: skip
     torch.testing.assert_close(graphed.personal["pi"], eager.personal["pi"])
-
-
-def cnn_trainer(out, device: str, algorithm: dict | None = None, **runtime) -> Trainer:
-    """FedEM on a small CNN with momentum and weight decay over 5 clients of 16x16 images: the
-    solver's in-place step, the gradients by parameter leaf, the convolutions (patch
-    products on CUDA; on the CPU the first as products, the second grouped)."""
-    rng = np.random.default_rng(0)
-    clients = []
-    for i, m in enumerate([40, 25, 60, 33, 18]):
-        x = rng.normal(size=(m + 10, 1, 16, 16)).astype(np.float32)
-        y = (x[:, 0, :8].mean((1, 2)) > x[:, 0, 8:].mean((1, 2))).astype(np.int64) + i % 2
-        clients.append(ClientData(x[:m], y[:m], x[:0], y[:0], x[m:], y[m:]))
-    data = FederatedDataset("toy images", clients, (1, 16, 16), 3, "multiclass", {}, [])
-    cfg = load_config(base={
-        "seed": 3, "rounds": 2, "model": {"name": "cnn", "channels": [3, 4], "hidden": 8},
-        "algorithm": {"name": "fedem", "components": 2, "lr": 0.1, "batch_size": 8,
-                      "momentum": 0.9, "weight_decay": 1e-3, **(algorithm or {})},
-        "runtime": {"device": device, **runtime}, "out": str(out),
-    })  # fmt: skip
-    return Trainer(cfg, dataset=data, log=lambda *a: None)
 
 
 def test_cnn_fedem_on_cuda_equals_cpu(tmp_path):
