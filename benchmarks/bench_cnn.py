@@ -105,7 +105,9 @@ def fedem_round(args, peers: int, mode: str, graphs: bool = False) -> tuple[dict
         sync(device)
         times.append(time.perf_counter() - t0)
     samples = int(trainer.train.mask.sum())
-    row = {"peers": peers, "mode": mode, "step_graphs": graphs,
+    graphs = trainer.step_graphs  # None where off, or after a failed capture
+    row = {"peers": peers, "mode": mode, "step_graphs": graphs is not None,
+           "graphs": 0 if graphs is None else len(graphs.graphs),
            "local_s": statistics.median(times), "first_s": first,
            "peak_gb": peak_gb(device), "train_samples": samples}  # fmt: skip
     return row, trainer

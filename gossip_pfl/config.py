@@ -198,11 +198,12 @@ class RuntimeConfig:
     #: to 1.47 s against 1.86 on an H200, docs/benchmarks.md); rounds of other shapes (partial
     #: participation) get their own; false launches each kernel
     cuda_graphs: bool = True
-    #: CUDA only, experimental: the local steps of other models (the CNNs) as CUDA graphs,
-    #: one per step shape, captured in the first round and replayed after, the round's step
-    #: sizes read from tensors (the same kernels and numbers; FedEM, FedAvg, FedProx and
-    #: their gossip forms with SGD, momentum and weight decay; others run each kernel).
-    #: Off until timed on a GPU (docs/benchmarks.md)
+    #: CUDA only, experimental: the local steps of models with their own batched layers
+    #: (cnn, lenet, mlp; linear under batching vmap) as CUDA graphs, one per step shape,
+    #: captured when a shape first comes and replayed after, the round's step sizes read from
+    #: tensors (the same kernels and numbers; FedEM, FedAvg, FedProx and their gossip forms
+    #: with SGD, momentum and weight decay; others run each kernel). Off until timed on a GPU
+    #: (docs/benchmarks.md)
     cuda_graph_steps: bool = False
     timeout_s: float = 300.0  #: a rank waits this long for a dead peer before failing
     metrics_every: int = 1  #: ignored, kept so older run configs load (metrics follow eval.every)

@@ -506,36 +506,41 @@ class Trainer(RoundLoop):
 
                 extra.update(loss=loss, loss_at=loss_at, batches=self.batches_per_epoch[peers])
             self.solver.step(theta, grad, opt_state, sel, scale, factor, anchor, **extra)
+        if self.step_graphs is not None and self.step_graphs.failure is not None:
+            self.log(f"runtime.cuda_graph_steps: a step could not be captured as a CUDA "
+                     f"graph ({self.step_graphs.failure}); the steps run eagerly")  # fmt: skip
+            self.step_graphs = None
 
     def _step_graph(self, theta, opt_state, scale, factor: float, neg_step):
         """This round's steps as CUDA graphs (``runtime.cuda_graph_steps``): a function
         ``(step, sw)`` that runs a step whose peers are a slice of the stack (the samples'
         gather, the gradient, the solver's update) as the graph of its shape, captured at its
-        first call; and FedProx's anchor. None where a step reads more than tensors whose
-        places stay put: a loss kept for the rule (FedLi), a line search, a client's
-        correction (SCAFFOLD), a personal model (pFedMe, APFL), another solver. The round's
+        first call; and FedProx's anchor. None for models without their own batched layers
+        (:attr:`BatchedForward.by_parameter`: the LSTM, MobileNet), and where a step reads
+        more than tensors whose places stay put: a loss kept for the rule (FedLi), a line
+        search, a client's correction (SCAFFOLD), a personal model (pFedMe, APFL), another
+        solver. The round's
         step sizes and anchor are copied into tensors held across rounds (``_hold``), which
         the graphs read: a value taken from the host at capture would stay the first round's
         (the lr schedule's factor)."""
-        if self.step_graphs is not None and self.step_graphs.failure is not None:
-            self.log(f"runtime.cuda_graph_steps: a step could not be captured as a CUDA "
-                     f"graph ({self.step_graphs.failure}); the steps run eagerly")  # fmt: skip
-            self.step_graphs = None
-        if (self.step_graphs is None or self.track_loss or self.line_search
-                or self.client is not None or type(self.solver) is not LocalSGD
+        if (self.step_graphs is None or not self.forward.by_parameter or self.track_loss
+                or self.line_search or self.client is not None
+                or type(self.solver) is not LocalSGD
                 or getattr(self.surrogate, "step_reads_personal", True)):  # fmt: skip
             return None, None
         solver, train = self.solver, self.train
         anchor = self._hold("anchor", theta) if solver.prox_mu else None
         if neg_step is not None:
             neg = self._hold("neg_step", neg_step)
+            reads = [neg]
         else:
             lr_scale = self._hold("scale", scale)
             if "factor" not in self._held:  # (filled on the device: no upload)
                 self._held["factor"] = torch.zeros((), dtype=torch.float64, device=self.device)
             lr_factor = self._held["factor"].fill_(factor)
+            reads = [lr_scale, lr_factor, *([] if anchor is None else [anchor])]
         # a graph reads these by their places: a new place (another stack) is another graph
-        held = (theta, opt_state.momentum, opt_state.eta, train.x, train.y, *self._held.values())
+        held = (theta, opt_state.momentum, opt_state.eta, train.x, train.y, *reads)
         where = tuple(t.data_ptr() for t in held)
 
         def step(st, sw) -> None:

@@ -11,17 +11,50 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+
+class _HostValues(TorchDispatchMode):
+    """The operations a function runs and the host values they take (numbers, dtypes, shapes;
+    not tensors' contents), for :class:`_Recorded`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves, _ = tree_flatten((args, kwargs))
+        host = tuple(
+            (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in leaves
+        )
+        self.ops.append((str(func), host))
+        return func(*args, **kwargs)
 
 
 class _Recorded:
     """What :class:`GraphReplay` keeps instead of a graph when it ``simulate``s one: the
-    function of the first call and its buffers, run again by :meth:`replay`."""
+    function of the first call, its buffers, and the host values its operations took; each
+    :meth:`replay` runs the function again and checks that they took the same ones."""
 
     def __init__(self, fn: Callable[..., None], inputs: tuple) -> None:
         self.fn, self.inputs = fn, inputs
+        with _HostValues() as seen:
+            fn(*inputs)
+        self.ops = seen.ops
 
     def replay(self) -> None:
-        self.fn(*self.inputs)
+        with _HostValues() as seen:
+            self.fn(*self.inputs)
+        if seen.ops != self.ops:
+            at = next((i for i, (a, b) in enumerate(zip(seen.ops, self.ops)) if a != b),
+                      min(len(seen.ops), len(self.ops)))  # fmt: skip
+            raise AssertionError(
+                f"a graph would replay other host values than this run reads: operation {at} "
+                f"was {self.ops[at] if at < len(self.ops) else None}, now "
+                f"{seen.ops[at] if at < len(seen.ops) else None}"
+            )
 
 
 class GraphReplay:
@@ -40,17 +73,24 @@ class GraphReplay:
     the pool, and writes its results into held tensors.
 
     ``simulate`` (tests, on a CPU): keep the first call's ``fn``, closure and all, with its
-    buffers, and run that again where a graph would replay. A value ``fn`` took from the host
-    at its first call (a step size, a tensor made anew every round) then stays what it was,
-    as in a captured graph, and a comparison with eager steps finds it."""
+    buffers, and run that again where a graph would replay. A value ``fn`` took from its
+    closure (a step size, a tensor made anew every round) then stays what it was, as in a
+    captured graph, and a comparison with eager steps finds it. A value it reads afresh (an
+    attribute, a global) would change where a graph's would not: each replay checks that its
+    operations take the host values (numbers, dtypes, shapes) of the first call.
+
+    A capture that raises (an operation a graph cannot hold, e.g. one that waits for the
+    device) sets :attr:`failure`; this call's work was done by the run before it, and every
+    later call runs ``fn`` as it is."""
 
     def __init__(self, keep: int = 8, share_pool: bool = False, simulate: bool = False) -> None:
         self.keep, self.share_pool, self.simulate = keep, share_pool, simulate
         self.graphs: OrderedDict[Hashable, tuple] = OrderedDict()  # key -> (graph, inputs)
         self._pool = None  # the shared pool's handle, made at the first capture
-        #: why a capture failed (an operation a graph cannot hold); from then on every call
-        #: runs ``fn`` as it is, and the caller may say so once
+        #: why a capture failed; from then on every call runs ``fn`` as it is, and the
+        #: caller may say so once
         self.failure: str | None = None
+        self._stream = None  # the captures' side stream
 
     def __call__(self, key: Hashable, fn: Callable[..., None], *inputs: torch.Tensor) -> None:
         if self.failure is not None:
@@ -67,22 +107,31 @@ class GraphReplay:
             self.graphs.popitem(last=False)
         mine = tuple(t.clone() for t in inputs)
         if self.simulate:
-            fn(*mine)
-            self.graphs[key] = (_Recorded(fn, mine), mine)
+            self.graphs[key] = (_Recorded(fn, mine), mine)  # (runs fn once)
             return
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(*mine)
-        torch.cuda.current_stream().wait_stream(side)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream()
         if self.share_pool and self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                fn(*mine)  # recorded, not run: this call's work was done above
-        except RuntimeError as err:  # e.g. an operation that waits for the device
-            self.failure = str(err).splitlines()[0] if str(err) else type(err).__name__
+        side, graph, failed = self._stream, torch.cuda.CUDAGraph(), None
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            fn(*mine)  # this call's work, and the warm-up a capture needs
+            # capture_begin / capture_end, not torch.cuda.graph: that one synchronises and
+            # empties the allocator's caches before every capture (a round's first steps
+            # capture dozens), and leaves its stream current if the capture fails
+            graph.capture_begin(pool=self._pool)
+            try:
+                fn(*mine)  # recorded, not run
+            except RuntimeError as err:  # e.g. an operation that waits for the device
+                failed = err
+            try:
+                graph.capture_end()
+            except RuntimeError as err:  # (invalidated by the failure above)
+                failed = failed or err
+        torch.cuda.current_stream().wait_stream(side)
+        if failed is not None:
+            self.failure = str(failed).splitlines()[0] if str(failed) else type(failed).__name__
             self.graphs.clear()
             return
         self.graphs[key] = (graph, mine)
