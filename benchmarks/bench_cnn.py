@@ -252,8 +252,9 @@ def main() -> None:
                     help="after a peer count runs out of memory, this many more halfway "
                     "between it and the last that fit")  # fmt: skip
     ap.add_argument("--profile", action="store_true",
-                    help="profile the first round timed (the first --conv form and mode): "
-                    "operations, then phases")  # fmt: skip
+                    help="profile a round after the timed ones (the first --conv form and "
+                    "mode, and the first whose steps are graphed): operations, then "
+                    "phases")  # fmt: skip
     ap.add_argument("--conv", default="auto",
                     help="the convolutions' forms, side by side: auto (the device's), groups, "
                     "products (gossip_pfl.models.conv_blocks)")  # fmt: skip
@@ -285,7 +286,10 @@ def main() -> None:
         for mode, graphed in ((m, g) for m in modes for g in graphs):
             row, trainer = fedem_round(args, args.peers, mode, graphed)
             row["conv"] = conv
-            if args.profile and not rows:
+            # the first row, and the first with its steps graphed
+            on = row["step_graphs"]
+            if args.profile and (not rows or (on and not any(r["step_graphs"] for r in rows))):
+                print(f"# profile: {mode}, step graphs {'on' if on else 'off'}", flush=True)
                 print(profile_round(trainer, args.rounds + 1), flush=True)
             if not args.no_floor and conv == convs[0] and graphed == graphs[0]:
                 row["floor_s"] = floor_epoch(args, trainer, mode)
