@@ -97,8 +97,8 @@ def test_cnn_fedem_on_cuda_equals_cpu(tmp_path):
 def test_cnn_graphed_steps_equal_eager_steps(participation, precision, tmp_path):
     """runtime.cuda_graph_steps: the CNN's FedEM steps (momentum, weight decay, the step
     size cut tenfold after two of four rounds) as CUDA graphs, one per step shape, give the
-    eager steps' parameters, momentum, step sizes and mixture weights (the same kernels);
-    with 3 of 5 clients a round the steps' shapes change between rounds."""
+    eager steps' parameters, momentum, step sizes and mixture weights (float rounding); with
+    3 of 5 clients a round the steps' shapes change between rounds."""
     runs = []
     for graphs in (False, True):
         tr = cnn_trainer(tmp_path / str(graphs), "cuda", {"lr_decay": [0.5]}, precision=precision,
@@ -109,7 +109,8 @@ def test_cnn_graphed_steps_equal_eager_steps(participation, precision, tmp_path)
         runs.append(rounds(tr, 4))
     eager, graphed = runs
     assert eager.step_graphs is None and len(graphed.step_graphs.graphs) >= 2
-    close = partial(torch.testing.assert_close, rtol=1e-6, atol=1e-7)
+    # the same kernels, but cuBLAS may pick its algorithm by stream (the captures' own)
+    close = partial(torch.testing.assert_close, rtol=1e-5, atol=1e-6)
     close(graphed.nodes, eager.nodes)
     close(graphed.opt_state.momentum, eager.opt_state.momentum)
     close(graphed.opt_state.eta, eager.opt_state.eta)
