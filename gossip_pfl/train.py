@@ -519,10 +519,9 @@ class Trainer(RoundLoop):
         (:attr:`BatchedForward.by_parameter`: the LSTM, MobileNet), and where a step reads
         more than tensors whose places stay put: a loss kept for the rule (FedLi), a line
         search, a client's correction (SCAFFOLD), a personal model (pFedMe, APFL), another
-        solver. The round's
-        step sizes and anchor are copied into tensors held across rounds (``_hold``), which
-        the graphs read: a value taken from the host at capture would stay the first round's
-        (the lr schedule's factor)."""
+        solver. The round's step sizes and anchor are copied into tensors held across rounds
+        (``_hold``), which the graphs read: a value taken from the host at capture would stay
+        the first round's (the lr schedule's factor)."""
         if (self.step_graphs is None or not self.forward.by_parameter or self.track_loss
                 or self.line_search or self.client is not None
                 or type(self.solver) is not LocalSGD
