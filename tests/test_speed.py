@@ -995,15 +995,16 @@ def test_a_failed_capture_leaves_the_steps_eager_and_says_so(tmp_path):
     assert torch.equal(eager.opt_state.momentum, tr.opt_state.momentum)
 
 
-@pytest.mark.parametrize("case", ["fedli_ls (line search)", "scaffold", "apfl"])
-def test_steps_that_read_more_than_tensors_are_not_graphed(case, tmp_path):
+@pytest.mark.parametrize("case, batching", [
+    ("fedli_ls (line search)", "vmap"), ("scaffold (a correction per peer)", "vmap"),
+    ("apfl (personal rows)", "vmap"), ("dfedem, momentum and decay", "loop")])  # fmt: skip
+def test_steps_that_read_more_than_tensors_are_not_graphed(case, batching, tmp_path):
     """A line search, a client's correction and a personal model read values a graph could
-    not hold: their steps stay eager under runtime.cuda_graph_steps."""
+    not hold, and a model without its own batched layers (here run by the per-peer loop)
+    is left alone: their steps stay eager under runtime.cuda_graph_steps."""
     from gossip_pfl.runtime.graphs import GraphReplay
 
-    algorithm = REORDER_CASES.get(case) or REORDER_CASES[f"{case} " + {
-        "scaffold": "(a correction per peer)", "apfl": "(personal rows)"}[case]]  # fmt: skip
-    tr = trainer(tmp_path, "vmap", algorithm)
+    tr = trainer(tmp_path, batching, REORDER_CASES[case])
     tr.step_graphs = GraphReplay(simulate=True)
     rounds(tr, 2)
     assert not tr.step_graphs.graphs
