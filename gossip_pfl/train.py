@@ -528,19 +528,21 @@ class Trainer(RoundLoop):
                 or getattr(self.surrogate, "step_reads_personal", True)):  # fmt: skip
             return None, None
         solver, train = self.solver, self.train
+        # what a graph reads, by its place: a new place (another stack) is another graph
+        reads = [theta, opt_state.momentum, opt_state.eta, train.x, train.y]
         anchor = self._hold("anchor", theta) if solver.prox_mu else None
         if neg_step is not None:
             neg = self._hold("neg_step", neg_step)
-            reads = [neg]
+            reads.append(neg)
         else:
             lr_scale = self._hold("scale", scale)
             if "factor" not in self._held:  # (filled on the device: no upload)
                 self._held["factor"] = torch.zeros((), dtype=torch.float64, device=self.device)
             lr_factor = self._held["factor"].fill_(factor)
-            reads = [lr_scale, lr_factor, *([] if anchor is None else [anchor])]
-        # a graph reads these by their places: a new place (another stack) is another graph
-        held = (theta, opt_state.momentum, opt_state.eta, train.x, train.y, *reads)
-        where = tuple(t.data_ptr() for t in held)
+            reads += [lr_scale, lr_factor]
+        if anchor is not None:
+            reads.append(anchor)
+        where = tuple(t.data_ptr() for t in reads)
 
         def step(st, sw) -> None:
             def run(flat, sw, sel=st.sel, shape=st.shape) -> None:
