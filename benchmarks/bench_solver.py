@@ -71,19 +71,21 @@ def main() -> None:
     L, M, P = args.peers, args.components, args.params
     gen = torch.Generator(device=device).manual_seed(0)
     theta = torch.randn(L, M, P, device=device, generator=gen)
-    lr_scale = torch.rand(L, device=device, generator=gen)
     solver = LocalSGD(LR, momentum=MOMENTUM, weight_decay=DECAY)
     compiled = torch.compile(fused_step, dynamic=True)
     gpu = f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""
     print(f"# {L} peers x M = {M} x {P:,} parameters, {device}{gpu}")
-    print("| step | peers | eager ms | compiled ms | compiled / eager | GB/s at 5 passes "
-          "(compiled) | largest difference |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+    print("| step | peers | eager ms, step sizes by peer | eager ms, one step size | "
+          "compiled ms | one size / by peer | compiled / by peer | GB/s at 5 passes (one "
+          "size) | largest difference (one size; compiled) |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, A in (("slice", L), ("indexed", L // 2)):
-        eager_s, comp_s, diff = compare(solver, compiled, theta, lr_scale, A, gen, args.iters)
-        gbps = 5 * A * M * P * theta.element_size() / comp_s / 1e9
-        print(f"| {name} | {A} | {1e3 * eager_s:.2f} | {1e3 * comp_s:.2f} | "
-              f"{comp_s / eager_s:.2f} | {gbps:.0f} | {diff:.1e} |", flush=True)  # fmt: skip
+        times, diffs = compare(solver, compiled, theta, A, gen, args.iters)
+        by_peer, one, comp = times
+        gbps = 5 * A * M * P * theta.element_size() / one / 1e9
+        print(f"| {name} | {A} | {1e3 * by_peer:.2f} | {1e3 * one:.2f} | {1e3 * comp:.2f} | "
+              f"{one / by_peer:.2f} | {comp / by_peer:.2f} | {gbps:.0f} | "
+              f"{diffs[0]:.1e}; {diffs[1]:.1e} |", flush=True)  # fmt: skip
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -92,27 +94,36 @@ def compare(
     solver: LocalSGD,
     compiled: Callable[..., None],
     theta: torch.Tensor,
-    lr_scale: torch.Tensor,
     A: int,
     gen: torch.Generator,
     iters: int,
-) -> tuple[float, float, float]:
-    """Seconds of the eager and compiled steps on A of theta's peers (every other one; all of
-    them as a slice), and the largest difference after one step of each from the same state."""
+) -> tuple[tuple[float, float, float], tuple[float, float]]:
+    """Seconds of the eager step with a step size by peer, the eager step with one step size
+    for all (``lr_scale`` None: the fused kernel on a GPU) and the compiled step, on A of
+    theta's peers (every other one; all of them as a slice); and the largest relative
+    differences from the first after one step of each from the same state."""
     L, device = theta.shape[0], theta.device
     index = torch.arange(0, L, L // A, device=device)[:A]
     rows = index if A < L else slice(None)
     grad = torch.randn(A, *theta.shape[1:], device=device, generator=gen)
     state = solver.init(theta)
     state.momentum.normal_(generator=gen).mul_(0.1)
-    momentum, th_e, th_c = state.momentum.clone(), theta.clone(), theta.clone()
-    lr = (LR * lr_scale).float()
-    solver.step(th_e, grad, state, rows, lr_scale)
-    compiled(th_c, grad, momentum, rows, lr)
-    diff = float((th_e - th_c).abs().max() / th_e.abs().max())
-    eager_s = timed(partial(solver.step, th_e, grad, state, rows, lr_scale), device, iters)
-    comp_s = timed(partial(compiled, th_c, grad, momentum, rows, lr), device, iters)
-    return eager_s, comp_s, diff
+    ones = torch.ones(L, device=device)  # step sizes by peer, all equal: comparable bits
+    runs = []  # (step, its state) per form, from the same start
+    for form in ("by peer", "one size", "compiled"):
+        th, st = theta.clone(), LocalSGD.init(solver, theta)
+        st.momentum.copy_(state.momentum)
+        if form == "compiled":
+            runs.append(partial(compiled, th, grad, st.momentum, rows, (LR * ones).float()))
+        else:
+            runs.append(partial(solver.step, th, grad, st, rows, ones if form == "by peer"
+                                else None))  # fmt: skip
+        runs[-1]()
+        runs[-1].theta = th
+    first = runs[0].theta
+    diffs = tuple(float((r.theta - first).abs().max() / first.abs().max()) for r in runs[1:])
+    times = tuple(timed(r, device, iters) for r in runs)
+    return times, diffs
 
 
 if __name__ == "__main__":

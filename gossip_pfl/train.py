@@ -281,6 +281,8 @@ class Trainer(RoundLoop):
         step_weights = decentral and a.client_weighting == "step"
         scale = self.counts * n / sizes.sum() if step_weights else np.ones(L)
         self.lr_scale = torch.as_tensor(scale, dtype=torch.float32, device=self.device)
+        #: one step size for every peer: the solver may then take its fused kernel
+        self.unit_scale = bool(np.all(scale == 1))
         # ... or the gossip weights neighbours by sample count (see mix): the server's n_t / n
         # average on a complete graph, without the large steps that destabilize momentum SGD.
         self.gossip_by_size = decentral and a.client_weighting == "gossip"
@@ -461,6 +463,7 @@ class Trainer(RoundLoop):
         # plain SGD (no momentum, decay, proximal term or correction): theta -= c g in one
         # scatter-add per step, the step size c of every peer worked out once per round
         neg_step = -(self.solver.lr * factor) * scale[:, None, None] if plain else None
+        scale = None if self.unit_scale else scale  # the solver's: None, 1 for every peer
         graph, anchor = self._step_graph(theta, opt_state, scale, factor, neg_step)
         if anchor is None and self.solver.prox_mu:
             anchor = theta.clone()
@@ -535,11 +538,11 @@ class Trainer(RoundLoop):
             neg = self._hold("neg_step", neg_step)
             reads.append(neg)
         else:
-            lr_scale = self._hold("scale", scale)
+            lr_scale = None if scale is None else self._hold("scale", scale)
             if "factor" not in self._held:  # (filled on the device: no upload)
                 self._held["factor"] = torch.zeros((), dtype=torch.float64, device=self.device)
             lr_factor = self._held["factor"].fill_(factor)
-            reads += [lr_scale, lr_factor]
+            reads += [lr_factor] if lr_scale is None else [lr_scale, lr_factor]
         if anchor is not None:
             reads.append(anchor)
         where = tuple(t.data_ptr() for t in reads)

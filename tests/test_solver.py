@@ -51,12 +51,19 @@ def draw(seed: int, a: int):
 @pytest.mark.parametrize("where", ROWS)
 @pytest.mark.parametrize("corrected", [False, True])
 @pytest.mark.parametrize("fused", [False, True])
-def test_step_gives_the_definitions_bits(name, where, corrected, fused, monkeypatch):
+@pytest.mark.parametrize("by_peer", [True, False])
+def test_step_gives_the_definitions_bits(name, where, corrected, fused, by_peer, monkeypatch):
     """The CPU's step: the definition's bits. The fused forms a GPU's step takes
-    (``solver.FUSED_ON``), forced on the CPU: its numbers to float rounding."""
+    (``solver.FUSED_ON``), forced on the CPU: its numbers to float rounding; with one step
+    size for every peer (``lr_scale`` None) that is torch.optim.SGD's fused kernel."""
     from gossip_pfl.runtime import solver as module
 
     monkeypatch.setattr(module, "FUSED_ON", ("cpu",) if fused else ())
+    kernel = []  # the fused kernel's calls
+    fused_sgd = torch._fused_sgd_
+    monkeypatch.setattr(
+        torch, "_fused_sgd_", lambda *a, **k: (kernel.append(1), fused_sgd(*a, **k))
+    )
     solver, rows = SOLVERS[name], ROWS[where]
     rows = rows if isinstance(rows, slice) else torch.tensor(rows)
     a = len(range(L)[rows]) if isinstance(rows, slice) else len(rows)
@@ -64,13 +71,16 @@ def test_step_gives_the_definitions_bits(name, where, corrected, fused, monkeypa
     state = solver.init(theta)
     state.momentum.normal_(generator=torch.Generator().manual_seed(1))
     scale = torch.rand(L, generator=torch.Generator().manual_seed(2)) + 0.5
+    if not by_peer:
+        scale = torch.ones(L)
     correction = (
         torch.randn(a, M, P, generator=torch.Generator().manual_seed(4)) if corrected else None
     )
     want_theta, want_mom = definition(solver, theta, grad, state.momentum, rows, scale, 0.1,
                                       anchor, correction)  # fmt: skip
     inputs = [t.clone() for t in (grad, anchor, *([correction] if corrected else []))]
-    solver.step(theta, grad, state, rows, scale, 0.1, anchor, correction)
+    solver.step(theta, grad, state, rows, scale if by_peer else None, 0.1, anchor, correction)
+    assert len(kernel) == (fused and not by_peer)
     if fused:
         torch.testing.assert_close(theta, want_theta, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(state.momentum, want_mom, rtol=1e-6, atol=1e-6)
@@ -84,6 +94,27 @@ def test_step_gives_the_definitions_bits(name, where, corrected, fused, monkeypa
     took[rows] = True
     assert torch.equal(state.eta[took], (solver.lr * 0.1) * scale[took].double())
     assert (state.eta[~took] == 0).all()
+
+
+@pytest.mark.parametrize("on", ["cpu", "fused"])
+def test_fused_kernel_takes_the_schedules_factor_as_a_number_or_a_tensor(on, monkeypatch):
+    """A CUDA graph's step takes the schedule's factor as a 0-dim float64 tensor filled every
+    round: the fused kernel's step (forced on the CPU) and the CPU's then give the bits of
+    the factor as a Python number, momentum, parameters and step sizes taken."""
+    from gossip_pfl.runtime import solver as module
+
+    monkeypatch.setattr(module, "FUSED_ON", ("cpu",) if on == "fused" else ())
+    solver = SOLVERS["momentum and decay"]
+    runs = []
+    for factor in (0.1, torch.tensor(0.1, dtype=torch.float64)):
+        theta, grad, _ = draw(5, 3)
+        state = solver.init(theta)
+        solver.step(theta, grad, state, slice(1, 4), None, factor)
+        solver.step(theta, grad, state, torch.tensor([0, 2, 4]), None, factor)
+        runs.append((theta, state.momentum, state.eta))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+    assert torch.equal(runs[0][2], torch.full((L,), solver.lr * 0.1, dtype=torch.float64))
 
 
 def test_steps_equal_torch_optim_sgd_per_peer():

@@ -900,9 +900,10 @@ def test_a_simulated_graph_keeps_what_its_first_call_read():
         replay("fresh", lambda t: out.add_(t * step["size"]), torch.ones(2))
 
 
+@pytest.mark.parametrize("forms", [(), ("cpu",)])
 @pytest.mark.parametrize("reorder", [(), ("cpu",)])
 @pytest.mark.parametrize("case", list(GRAPH_CASES))
-def test_graphed_steps_give_the_eager_steps_bits(case, reorder, monkeypatch, tmp_path):
+def test_graphed_steps_give_the_eager_steps_bits(case, reorder, forms, monkeypatch, tmp_path):
     """``runtime.cuda_graph_steps`` (the local steps as a CUDA graph per step shape),
     simulated on the CPU: where a graph would replay, the first call of that shape runs again,
     closure and all (``GraphReplay(simulate=True)``). Four rounds, the step size cut tenfold
@@ -910,11 +911,15 @@ def test_graphed_steps_give_the_eager_steps_bits(case, reorder, monkeypatch, tmp
     mixture weights, so nothing a graph would read stays the first round's (the schedule's
     factor, each round's step sizes, FedProx's anchor). A gathered plan with every peer (its
     steps of all peers graphed, the others eager) and a reordered one with half the peers a
-    round (every step graphed)."""
+    round (every step graphed). With the GPU's solver forms too (``solver.FUSED_ON``, forced
+    here): torch.optim.SGD's fused kernel where every peer takes one step size, its step size
+    a tensor from the held factor."""
     import gossip_pfl.train as train
+    from gossip_pfl.runtime import solver
     from gossip_pfl.runtime.graphs import GraphReplay, _Recorded
 
     monkeypatch.setattr(train, "REORDER_ON", reorder)
+    monkeypatch.setattr(solver, "FUSED_ON", forms)
     replays, replay = [], _Recorded.replay
     monkeypatch.setattr(_Recorded, "replay", lambda self: replays.append(replay(self)))
     out = {}

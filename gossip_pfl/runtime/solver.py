@@ -14,8 +14,11 @@ from dataclasses import dataclass
 
 import torch
 
-#: devices whose steps use fused forms (a + alpha b, a + b c): 9 passes over the rows'
-#: parameters a step with momentum and weight decay instead of 15. A GPU evaluates such a form
+#: devices whose steps use fused forms: with one step size for every peer, the kernel of
+#: ``torch.optim.SGD(fused=True)`` (``torch._fused_sgd_``), which reads the parameters, the
+#: gradient and the momentum once and writes the parameters and the momentum once (5 passes
+#: over the rows' parameters a step with momentum and weight decay, instead of 15); with a
+#: step size by peer, forms such as a + alpha b and a + b c (9 passes). A GPU evaluates these
 #: the same way at every element; a CPU rounds its vector lanes and its scalar tail
 #: differently, which would tie a peer's bits to its place in the stack (placements differ
 #: there), so the CPU keeps one operation per term.
@@ -72,11 +75,14 @@ class LocalSGD:
         (SCAFFOLD's c - c_i) added."""
         return self._direction(theta[rows], grad, lambda t: t[rows], anchor, correction)
 
-    def _direction(self, p, grad, take, anchor, correction, fused=False) -> torch.Tensor:
+    def _direction(
+        self, p, grad, take, anchor, correction, fused=False, decay=True
+    ) -> torch.Tensor:  # fmt: skip
         """:meth:`direction` from the rows' parameters ``p``; ``take(t)`` gives a tensor's
-        rows. Each operation as its own kernel unless ``fused`` (see :data:`FUSED_ON`)."""
+        rows. Each operation as its own kernel unless ``fused`` (see :data:`FUSED_ON`); the
+        weight decay left out unless ``decay``."""
         g = grad
-        if self.weight_decay:
+        if self.weight_decay and decay:
             g = torch.add(grad, p, alpha=self.weight_decay) if fused else (
                 torch.mul(p, self.weight_decay).add_(grad))  # fmt: skip
         if self.prox_mu and anchor is not None:
@@ -92,25 +98,33 @@ class LocalSGD:
         grad: torch.Tensor,
         state: SGDState,
         rows: torch.Tensor | slice,
-        lr_scale: torch.Tensor,
-        lr_factor: float = 1.0,
+        lr_scale: torch.Tensor | None,
+        lr_factor: float | torch.Tensor = 1.0,
         anchor: torch.Tensor | None = None,
         correction: torch.Tensor | None = None,
         **_,
     ) -> None:
         """One in-place step on the peers ``rows`` (indices into theta's first axis, or a
         slice); ``grad`` holds their gradients in that order. ``lr_scale`` (L,) is a per-peer
-        multiplier.
+        multiplier (None: 1 for every peer); ``lr_factor`` the schedule's, a number or a
+        0-dim float64 tensor (a CUDA graph's, filled every round).
 
         A slice's rows are views, updated in place; indexed rows are gathered once and copied
         back once. With a CNN's millions of parameters a peer the step is memory traffic:
         about 15 passes over the rows' parameters with weight decay and momentum (23 for
-        indexed rows), where a copy per index and an operation per term took 19 (27); 9 (17)
-        on the devices of :data:`FUSED_ON`."""
+        indexed rows), where a copy per index and an operation per term took 19 (27); on the
+        devices of :data:`FUSED_ON` 5 (13) with one step size for all, 9 (17) by peer."""
         full = isinstance(rows, slice)
         fused = theta.device.type in FUSED_ON
         take = (lambda t: t[rows]) if full else (lambda t: t.index_select(0, rows))
         p = take(theta)
+        lr = self.lr * lr_factor
+        if fused and lr_scale is None:
+            self._fused_step(p, grad, state, rows, take, lr, anchor, correction)
+            if not full:
+                theta.index_copy_(0, rows, p)
+            state.eta[rows] = lr
+            return
         d = self._direction(p, grad, take, anchor, correction, fused)
         g = d
         if self.momentum:
@@ -121,7 +135,7 @@ class LocalSGD:
                 g = m.mul_(self.momentum).add_(d)
             if not full:
                 state.momentum.index_copy_(0, rows, m)
-        step = (self.lr * lr_factor) * lr_scale[rows, None, None]
+        step = lr if lr_scale is None else lr * lr_scale[rows, None, None]
         if fused:
             p.addcmul_(g, step, value=-1.0)
         else:
@@ -131,7 +145,27 @@ class LocalSGD:
             p.sub_(torch.mul(g, step, out=scratch))
         if not full:
             theta.index_copy_(0, rows, p)
-        state.eta[rows] = (self.lr * lr_factor) * lr_scale[rows].double()
+        state.eta[rows] = lr if lr_scale is None else lr * lr_scale[rows].double()
+
+    def _fused_step(self, p, grad, state, rows, take, lr, anchor, correction) -> None:
+        """:meth:`step` on the rows' parameters ``p`` (views, or a gathered copy) with one step
+        size ``lr`` for all, in ``torch.optim.SGD(fused=True)``'s kernel: weight decay,
+        momentum and the update in one pass (its arithmetic in float64, rounded to float32 at
+        each store). The step size goes in as a float32 tensor on the device, so that a CUDA
+        graph takes a new one every round (a number would be frozen at capture)."""
+        g = self._direction(p, grad, take, anchor, correction, fused=True, decay=False)
+        if isinstance(lr, torch.Tensor):
+            lr = lr.to(torch.float32)
+        else:
+            lr = torch.full((), lr, dtype=torch.float32, device=p.device)
+        m = take(state.momentum) if self.momentum else None
+        torch._fused_sgd_(
+            [p], [g.contiguous()], [] if m is None else [m],
+            weight_decay=self.weight_decay, momentum=self.momentum, lr=lr, dampening=0.0,
+            nesterov=False, maximize=False, is_first_step=False,
+        )  # fmt: skip
+        if m is not None and not isinstance(rows, slice):
+            state.momentum.index_copy_(0, rows, m)
 
 
 @dataclass(frozen=True)
