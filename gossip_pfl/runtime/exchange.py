@@ -59,6 +59,10 @@ def _block(rows, cols, vals, shape, device) -> torch.Tensor:
             torch.as_tensor(vals, dtype=torch.float64),
             accumulate=True,
         )
+        if device.type == "cuda":  # from page-locked memory the host need not wait for the
+            # device's queue (partial participation plans a phase every round); PyTorch's
+            # pinned-memory cache keeps the block until the copy has run
+            return dense.pin_memory().to(device, non_blocking=True)
         return dense.to(device)
     coo = torch.sparse_coo_tensor(
         torch.as_tensor(np.stack([rows, cols])),
