@@ -59,11 +59,18 @@ def test_step_gives_the_definitions_bits(name, where, corrected, fused, by_peer,
     from gossip_pfl.runtime import solver as module
 
     monkeypatch.setattr(module, "FUSED_ON", ("cpu",) if fused else ())
+    monkeypatch.setattr(module, "KERNEL_ELEMENTS", 2 * M * P)  # two rows a block
     kernel = []  # the fused kernel's calls
-    fused_sgd = torch._fused_sgd_
-    monkeypatch.setattr(
-        torch, "_fused_sgd_", lambda *a, **k: (kernel.append(1), fused_sgd(*a, **k))
-    )
+
+    def fused_sgd(params, grads, momenta, lr, **kw):
+        # what a GPU's kernel needs: its step size a float32 tensor on the parameters' device
+        assert lr.dtype == torch.float32 and lr.device == params[0].device and lr.dim() == 0
+        assert all(len(p) <= 2 for p in params)
+        kernel.append(len(params))
+        return real(params, grads, momenta, lr=lr, **kw)
+
+    real = torch._fused_sgd_
+    monkeypatch.setattr(torch, "_fused_sgd_", fused_sgd)
     solver, rows = SOLVERS[name], ROWS[where]
     rows = rows if isinstance(rows, slice) else torch.tensor(rows)
     a = len(range(L)[rows]) if isinstance(rows, slice) else len(rows)
@@ -81,6 +88,7 @@ def test_step_gives_the_definitions_bits(name, where, corrected, fused, by_peer,
     inputs = [t.clone() for t in (grad, anchor, *([correction] if corrected else []))]
     solver.step(theta, grad, state, rows, scale if by_peer else None, 0.1, anchor, correction)
     assert len(kernel) == (fused and not by_peer)
+    assert kernel in ([], [-(-a // 2)])  # the rows in blocks of two
     if fused:
         torch.testing.assert_close(theta, want_theta, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(state.momentum, want_mom, rtol=1e-6, atol=1e-6)

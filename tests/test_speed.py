@@ -945,6 +945,26 @@ def test_graphed_steps_give_the_eager_steps_bits(case, reorder, forms, monkeypat
         assert torch.equal(eager.personal[k], graphed.personal[k])
 
 
+@pytest.mark.parametrize("forms", [(), ("cpu",)])
+@pytest.mark.parametrize(
+    "case, one_size",
+    [("fedem, momentum, decay, lr schedule", True),
+     ("dfedem, momentum (step sizes by peer), lr schedule", False)],
+)  # fmt: skip
+def test_step_sizes_by_peer_reach_the_solver(case, one_size, forms, monkeypatch, tmp_path):
+    """FedEM's peers take one step size (the solver may then take the fused kernel, forced
+    here with the GPU's forms); D-FedEM's client weighting (``client_weighting: step``) gives
+    each peer its own: every peer took lr times its multiplier, and recorded it."""
+    from gossip_pfl.runtime import solver
+
+    monkeypatch.setattr(solver, "FUSED_ON", forms)
+    tr = trainer(tmp_path, "vmap", GRAPH_CASES[case], sizes=[40, 85, 20, 59, 33, 59])
+    assert tr.unit_scale is one_size
+    assert bool((tr.lr_scale == 1).all()) is one_size
+    rounds(tr, 1)  # the schedule's factor is 1 in round 0; every peer has samples
+    assert torch.equal(tr.opt_state.eta, tr.solver.lr * tr.lr_scale.double())
+
+
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
 def test_graphed_cnn_steps_give_the_eager_steps_bits(precision, monkeypatch, tmp_path):
     """The CNN's FedEM steps (gradients by parameter leaf, momentum, weight decay, the step

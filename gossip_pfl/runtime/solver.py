@@ -23,6 +23,10 @@ import torch
 #: differently, which would tie a peer's bits to its place in the stack (placements differ
 #: there), so the CPU keeps one operation per term.
 FUSED_ON: tuple[str, ...] = ("cuda",)
+#: the fused kernel with its step size in a tensor (PyTorch 2.3 on); older builds take the forms
+FUSED_KERNEL = hasattr(getattr(torch.ops.aten, "_fused_sgd_", None), "tensor_lr")
+#: elements of one tensor the kernel takes: older builds count a tensor's elements in 32 bits
+KERNEL_ELEMENTS = 2**31 - 1
 
 
 @dataclass
@@ -119,7 +123,7 @@ class LocalSGD:
         take = (lambda t: t[rows]) if full else (lambda t: t.index_select(0, rows))
         p = take(theta)
         lr = self.lr * lr_factor
-        if fused and lr_scale is None:
+        if fused and lr_scale is None and FUSED_KERNEL:
             self._fused_step(p, grad, state, rows, take, lr, anchor, correction)
             if not full:
                 theta.index_copy_(0, rows, p)
@@ -150,17 +154,20 @@ class LocalSGD:
     def _fused_step(self, p, grad, state, rows, take, lr, anchor, correction) -> None:
         """:meth:`step` on the rows' parameters ``p`` (views, or a gathered copy) with one step
         size ``lr`` for all, in ``torch.optim.SGD(fused=True)``'s kernel: weight decay,
-        momentum and the update in one pass (its arithmetic in float64, rounded to float32 at
-        each store). The step size goes in as a float32 tensor on the device, so that a CUDA
-        graph takes a new one every round (a number would be frozen at capture)."""
+        momentum and the update in one pass (its rounding differs from the forms'). The step
+        size goes in as a float32 tensor on the device, so that a CUDA graph takes a new one
+        every round (a number would be frozen at capture); the rows in blocks of at most
+        :data:`KERNEL_ELEMENTS` elements."""
         g = self._direction(p, grad, take, anchor, correction, fused=True, decay=False)
         if isinstance(lr, torch.Tensor):
-            lr = lr.to(torch.float32)
+            lr = lr.to(device=p.device, dtype=torch.float32)
         else:
             lr = torch.full((), lr, dtype=torch.float32, device=p.device)
         m = take(state.momentum) if self.momentum else None
+        rows_a_block = max(1, KERNEL_ELEMENTS // max(1, p[0].numel())) if len(p) else 1
         torch._fused_sgd_(
-            [p], [g.contiguous()], [] if m is None else [m],
+            list(p.split(rows_a_block)), list(g.contiguous().split(rows_a_block)),
+            [] if m is None else list(m.split(rows_a_block)),
             weight_decay=self.weight_decay, momentum=self.momentum, lr=lr, dampening=0.0,
             nesterov=False, maximize=False, is_first_step=False,
         )  # fmt: skip
