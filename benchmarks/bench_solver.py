@@ -11,8 +11,8 @@ half of them (indexed: gathered, stepped, copied back), in three forms side by s
 - **compiled**: the formula as one function under ``torch.compile`` (about 5 passes).
 
 All three start from the same state with the same step sizes; the table gives the largest
-differences from the first form (float rounding: fused multiply-adds, the kernel's float64
-arithmetic).
+differences from the first form (float rounding: fused multiply-adds, the kernel's own
+rounding).
 
 On an H100 the eager steps took about 300 of a FedEM round's 884 GPU milliseconds, and the
 gathers and write-backs about 150 more (docs/benchmarks.md), before the fused forms and the
