@@ -197,11 +197,13 @@ class BatchedForward:
 
     def flat_grad(self, parts: tuple, out: torch.Tensor | None = None) -> torch.Tensor:
         """The gradients of :meth:`for_grad`'s leaves as one (L, M, P) tensor, written into
-        ``out`` when given (each in its place: one pass)."""
+        ``out`` when given, each in its place: one pass. (Not a ``cat`` of the flattened
+        gradients: a linear layer's weight gradient comes transposed, so flattening copied
+        it first, the CNN's 2.1 million of its 2.17 million parameters a model twice.)"""
         if not self.by_parameter:
             return parts[0] if out is None else out.copy_(parts[0])
         if out is None:
-            return torch.cat([g.reshape(*g.shape[:2], -1) for g in parts], -1)  # 0-dim too
+            out = parts[0].new_empty(*parts[0].shape[:2], self.layout.numel)
         for place, g in zip(self.layout.unflatten(out).values(), parts):
             place.copy_(g)
         return out
