@@ -125,6 +125,28 @@ def test_fused_kernel_takes_the_schedules_factor_as_a_number_or_a_tensor(on, mon
     assert torch.equal(runs[0][2], torch.full((L,), solver.lr * 0.1, dtype=torch.float64))
 
 
+@pytest.mark.parametrize("factor", ["number", "tensor"])
+def test_one_step_size_without_the_kernel_takes_the_forms(factor, monkeypatch):
+    """A build without the fused kernel's tensor step size (before PyTorch 2.3): one step size
+    for every peer takes the GPU's forms (forced here), to float rounding of the definition."""
+    from gossip_pfl.runtime import solver as module
+
+    monkeypatch.setattr(module, "FUSED_ON", ("cpu",))
+    monkeypatch.setattr(module, "FUSED_KERNEL", False)
+    monkeypatch.setattr(torch, "_fused_sgd_", None)  # not called
+    solver = SOLVERS["momentum and decay"]
+    f = 0.1 if factor == "number" else torch.tensor(0.1, dtype=torch.float64)
+    for rows in (slice(1, 4), torch.tensor([0, 2, 3])):
+        theta, grad, _ = draw(6, 3)
+        state = solver.init(theta)
+        state.momentum.normal_(generator=torch.Generator().manual_seed(7))
+        want = definition(solver, theta, grad, state.momentum, rows, torch.ones(L), 0.1, None,
+                          None)  # fmt: skip
+        solver.step(theta, grad, state, rows, None, f)
+        torch.testing.assert_close(theta, want[0], rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(state.momentum, want[1], rtol=1e-6, atol=1e-6)
+
+
 def test_steps_equal_torch_optim_sgd_per_peer():
     """Five steps, a different subset of peers each, against one torch.optim.SGD per peer with
     that peer's step size."""

@@ -139,7 +139,13 @@ class LocalSGD:
                 g = m.mul_(self.momentum).add_(d)
             if not full:
                 state.momentum.index_copy_(0, rows, m)
-        step = lr if lr_scale is None else lr * lr_scale[rows, None, None]
+        if lr_scale is not None:
+            step = lr * lr_scale[rows, None, None]
+        elif fused:  # (a build without the kernel) addcmul_ takes a tensor
+            step = lr.to(p.dtype) if isinstance(lr, torch.Tensor) else (
+                torch.full((), lr, dtype=p.dtype, device=p.device))  # fmt: skip
+        else:
+            step = lr
         if fused:
             p.addcmul_(g, step, value=-1.0)
         else:
