@@ -741,7 +741,10 @@ class Trainer(RoundLoop):
         losses = torch.zeros(*theta.shape[:2], split.y.shape[1], device=self.device)
 
         def chunk(rows, sl, x, y, _mask) -> None:  # the chunks' places do not overlap
-            losses[rows, :, sl] = sample_loss(self.forward(theta[rows], x), y, self.task)
+            # a piece of every peer (its rows in order) writes a slice: no indexing kernel (a
+            # GPU's deterministic index_put_ sorts its indices)
+            at = slice(None) if len(rows) == len(losses) else rows
+            losses[at, :, sl] = sample_loss(self.forward(theta[at], x), y, self.task)
 
         self.map_chunks(chunk, split, active)
         return losses
