@@ -59,11 +59,11 @@ class ParamLayout:
         return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
     def unflatten(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Parameter views of ``flat`` (..., P) -> {name: (..., *shape)} (one split, then a
-        view each: a step's gradient call makes them, and on a GPU each dispatch is host
-        time)."""
+        """Parameter views of ``flat`` (..., P), its last axis exactly P, -> {name: (...,
+        *shape)} (one split, then a view each: a step's gradient call makes them, and on a
+        GPU each dispatch is host time)."""
         parts = flat.split(self.sizes, -1)
-        return {name: part.view(*part.shape[:-1], *shape)
+        return {name: part.view(part.shape[:-1] + shape)  # (a 0-dim parameter too)
                 for name, shape, part in zip(self.names, self.shapes, parts)}  # fmt: skip
 
 
