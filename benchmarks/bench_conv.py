@@ -12,7 +12,13 @@ each in float32 and under bf16 autocast, then a profile of a step in each of the
 forms, by operator. Every variant's float32 gradients are compared with those of ``groups``
 and with a float64 step (the largest difference over the largest value, of any parameter).
 
+A second table times each variant's forward alone, without gradients, on ``--forward-batch``
+images a peer (163: an E-step call of the study's 100 clients, 16,384 samples a call): the
+E-step took 113 of a FedEM round's GPU milliseconds on an H200, and the products' patches
+were chosen for training steps, not for these calls.
+
     python benchmarks/bench_conv.py [--device cuda] [--peers 100] [--batch 32] [--iters 20]
+        [--forward-batch 163] [--no-profile]
     python benchmarks/bench_conv.py --device cpu --peers 4 --iters 3   # a smoke test
 """
 
@@ -113,6 +119,13 @@ def main() -> None:
     ap.add_argument("--components", type=int, default=3)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument(
+        "--forward-batch",
+        type=int,
+        default=163,
+        help="images a peer in the forward-only table (0: none)",
+    )
+    ap.add_argument("--no-profile", action="store_true")
     args = ap.parse_args()
     device = torch.device(args.device)
     torch.backends.cudnn.benchmark = True  # as bench_cnn.py's runs (runtime.deterministic off)
@@ -156,6 +169,10 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
+    if args.forward_batch:
+        forward_only(params, L, args.forward_batch, device, args.iters)
+    if args.no_profile:
+        return
     from torch.profiler import ProfilerActivity, profile
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -167,6 +184,28 @@ def main() -> None:
                 torch.cuda.synchronize(device)
         print(f"# {name}, float32:")
         print(prof.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=60))
+
+
+@torch.no_grad()
+def forward_only(params: dict, L: int, batch: int, device: torch.device, iters: int) -> None:
+    """Each variant's forward without gradients (an E-step's call) on ``batch`` images a
+    peer, float32, against the groups' logits."""
+    x = torch.rand(L, batch, 1, 28, 28, device=device)
+    print(f"\n# forward only, no gradients, {batch} images a peer (an E-step call)")
+    print("| variant | float32 ms | logits against groups |")
+    print("|---|---|---|")
+    reference = VARIANTS["groups"](params, x)
+    for name, forward in VARIANTS.items():
+        try:
+            out = forward(params, x)
+            diff = float((out - reference).abs().max() / reference.abs().max())
+            del out
+            ms = 1e3 * timed(partial(forward, params, x), device, iters)
+            print(f"| {name} | {ms:.2f} | {diff:.1e} |", flush=True)
+        except torch.cuda.OutOfMemoryError:
+            print(f"| {name} | out of memory | |", flush=True)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -158,8 +158,11 @@ case "${1:-}" in
         # lease): 83, 114, 16, 24, 71 and 15 s (the base's CNN), 335 s with the install
         # the CNN's steps eager and as CUDA graphs, not its most clients (800 fit an H200)
         stage tests 90 $PY -m pytest -n 8 --maxprocesses 8 -rs -q --durations=12
+        export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
         # the solver's forms side by side (by peer: 9 passes; one size: the fused kernel)
         stage solver 30 $PY benchmarks/bench_solver.py --device $DEV --iters 10 --no-compile
+        # the conv forms' training step, and their forward alone at an E-step call's size
+        stage conv 60 $PY benchmarks/bench_conv.py --device $DEV --iters 10 --no-profile
         bench 150 35 40 200 0 float32,bf16 60 off,on
         ;;
     cnn)
