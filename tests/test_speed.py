@@ -522,9 +522,10 @@ def test_batch_planner_draws_round_batches_plans_ahead():
 
 @pytest.mark.parametrize("grad", [True, False])
 def test_cpu_max_pool_gives_torch_max_pool_bits(grad):
-    """The CNNs' 2x2 max pooling (a channels-last kernel on a CPU, 10x to 20x faster): the
-    values, and the gradient from the same indices, are max_pool2d's bits, ties included
-    (quantized inputs), and the gradient has the input's layout (NCHW from the convolution)."""
+    """The CNNs' 2x2 max pooling (a channels-last kernel on a CPU, 10x to 20x faster; without
+    gradients the maximum of the windows' corners): the values, and the gradient from the
+    same indices, are max_pool2d's bits, ties included (quantized inputs), and the gradient
+    has the input's layout (NCHW from the convolution)."""
     from gossip_pfl.models import max_pool_2x2
 
     gen = torch.Generator().manual_seed(0)
@@ -534,12 +535,31 @@ def test_cpu_max_pool_gives_torch_max_pool_bits(grad):
                   memory_format=torch.channels_last)):  # fmt: skip
         a, b = x.clone().requires_grad_(grad), x.clone().requires_grad_(grad)
         ya, yb = torch.max_pool2d(a, 2), max_pool_2x2(b)
-        assert torch.equal(ya, yb) and yb.is_contiguous()
+        assert torch.equal(ya, yb) and (yb.is_contiguous() or not grad)
         if grad:
             g = torch.randn(ya.shape, generator=gen)
             ya.backward(g)
             yb.backward(g)
             assert torch.equal(a.grad, b.grad) and b.grad.stride() == b.stride()
+
+
+def test_pooling_without_gradients_gives_max_pool_values():
+    """The CPU's pooling without gradients (the E-step, evaluation: the larger of the
+    windows' corners) on windows of zeros of both signs, ties and NaN, in NCHW and
+    channels-last layouts: max_pool2d's values (a zero's sign aside) and its NaNs."""
+    from gossip_pfl.models import _cpu_pool, _max_of_windows
+
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randint(-2, 3, (4, 6, 9, 10), generator=gen) / 2.0).mul_(
+        torch.where(torch.rand(4, 6, 9, 10, generator=gen) < 0.5, -1.0, 1.0))  # fmt: skip
+    x[0, 0, 0, 0] = float("nan")
+    for xi in (x, x.contiguous(memory_format=torch.channels_last)):
+        want = torch.max_pool2d(xi, 2)
+        for pool in (_max_of_windows, _cpu_pool):
+            got = pool(xi)
+            assert got.shape == want.shape and torch.equal(got.isnan(), want.isnan())
+            assert want.isnan().any() and torch.equal(got.nan_to_num(), want.nan_to_num())
+    assert (x == 0).any() and x.signbit()[x == 0].any()  # zeros of both signs were there
 
 
 @pytest.mark.parametrize("compiled", [True, False])
