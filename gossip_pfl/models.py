@@ -203,17 +203,17 @@ def _conv_pool_relu(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -
     h = h.to(_product_dtype(h))
     per_group = max(C * k * k, O) * B * Ho * Wo * h.element_size()
     per_slice = max(1, PATCH_BYTES // max(per_group, 1))  # groups
+    # one slice of all groups: the tensors themselves, as a slice's gradient would be copied
+    # into zeros of the whole (autograd's slice_backward, five a training step)
+    slices = [(h, weight, bias)] if per_slice >= N else [
+        (h[i : i + per_slice], weight[i : i + per_slice], bias[i : i + per_slice])
+        for i in range(0, N, per_slice)]  # fmt: skip
     outs = []
-    for i in range(0, N, per_slice):
-        # one slice of all groups: the tensors themselves, as a slice's gradient would be
-        # copied into zeros of the whole (autograd's slice_backward, five a training step)
-        cut = (lambda t: t) if per_slice >= N else (lambda t, i=i: t[i : i + per_slice])
-        part = cut(h)
+    for part, w, b in slices:
         n = part.shape[0]
         # every k x k window as a view, then one copy in the product's layout
         patches = _windows(part, k).reshape(n, C * k * k, B * Ho * Wo)
-        w = cut(weight).reshape(n, O, C * k * k)
-        out = torch.baddbmm(cut(bias).unsqueeze(-1), w, patches)
+        out = torch.baddbmm(b.unsqueeze(-1), w.reshape(n, O, C * k * k), patches)
         out = torch.max_pool2d(out.view(n * O, B, Ho, Wo), 2)
         outs.append(torch.relu_(out).view(n, O, B, Ho // 2, Wo // 2))
     return outs[0] if len(outs) == 1 else torch.cat(outs)

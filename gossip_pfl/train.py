@@ -716,12 +716,14 @@ class Trainer(RoundLoop):
         return map_pieces(fn, pieces, self.forward.piece_threads(self.device))
 
     def map_chunks(self, fn: Callable, split: PaddedSplit, active=None) -> list:
-        """``fn(rows, sample slice, x, y, mask)`` over the evaluation-sized chunks of ``split``
-        (``PaddedSplit.chunk_plan``), through :meth:`map_pieces`; each chunk's inputs are
-        gathered when it runs."""
+        """``fn(rows, at, sample slice, x, y, mask)`` over the evaluation-sized chunks of
+        ``split`` (``PaddedSplit.chunk_plan``), through :meth:`map_pieces`; each chunk's
+        inputs are gathered when it runs. ``at`` indexes the chunk's rows: a slice for a
+        chunk of every peer (views, and on a GPU no indexing kernel: a deterministic
+        ``index_put_`` sorts its indices), else ``rows``."""
         split.mask  # noqa: B018 - a cached property, built here rather than by two chunks
         plan = split.chunk_plan(self.eval_chunk, active, self.uploads)
-        return self.map_pieces(lambda piece: fn(*split.inputs(*piece)), plan)
+        return self.map_pieces(lambda p: fn(p[0], p[1], *split.inputs(*p)[1:]), plan)
 
     # ---- measurements ---------------------------------------------------------------------
     @torch.no_grad()
@@ -740,10 +742,7 @@ class Trainer(RoundLoop):
             return self.forward.linear_losses(theta, split, self.eval_chunk)
         losses = torch.zeros(*theta.shape[:2], split.y.shape[1], device=self.device)
 
-        def chunk(rows, sl, x, y, _mask) -> None:  # the chunks' places do not overlap
-            # a piece of every peer (its rows in order) writes a slice: no indexing kernel (a
-            # GPU's deterministic index_put_ sorts its indices)
-            at = slice(None) if len(rows) == len(losses) else rows
+        def chunk(_rows, at, sl, x, y, _mask) -> None:  # the chunks' places do not overlap
             losses[at, :, sl] = sample_loss(self.forward(theta[at], x), y, self.task)
 
         self.map_chunks(chunk, split, active)
@@ -816,9 +815,9 @@ class Trainer(RoundLoop):
         correct = torch.zeros(theta.shape[0], device=self.device, dtype=torch.float64)
         nll = torch.zeros_like(correct)
 
-        def chunk(rows, _sl, x, y, m) -> tuple:
-            mine = {k: v[rows] for k, v in personal.items()}
-            probs = self.surrogate.predict(self.forward(theta[rows], x), mine)
+        def chunk(rows, at, _sl, x, y, m) -> tuple:
+            mine = {k: v[at] for k, v in personal.items()}
+            probs = self.surrogate.predict(self.forward(theta[at], x), mine)
             p_true = probs.gather(-1, y[..., None])[..., 0].clamp_min(1e-12)
             hits = ((probs.argmax(-1) == y).float() * m).sum(-1).double()
             return rows, (-torch.log(p_true) * m).sum(-1).double(), hits

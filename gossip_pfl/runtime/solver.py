@@ -142,8 +142,7 @@ class LocalSGD:
         if lr_scale is not None:
             step = lr * lr_scale[rows, None, None]
         elif fused:  # (a build without the kernel) addcmul_ takes a tensor
-            step = lr.to(p.dtype) if isinstance(lr, torch.Tensor) else (
-                torch.full((), lr, dtype=p.dtype, device=p.device))  # fmt: skip
+            step = _device_scalar(lr, p)
         else:
             step = lr
         if fused:
@@ -165,10 +164,7 @@ class LocalSGD:
         every round (a number would be frozen at capture); the rows in blocks of at most
         :data:`KERNEL_ELEMENTS` elements."""
         g = self._direction(p, grad, take, anchor, correction, fused=True, decay=False)
-        if isinstance(lr, torch.Tensor):
-            lr = lr.to(device=p.device, dtype=torch.float32)
-        else:
-            lr = torch.full((), lr, dtype=torch.float32, device=p.device)
+        lr = _device_scalar(lr, p, torch.float32)  # (the kernel reads a float32)
         m = take(state.momentum) if self.momentum else None
         rows_a_block = max(1, KERNEL_ELEMENTS // max(1, p[0].numel())) if len(p) else 1
         torch._fused_sgd_(
@@ -179,6 +175,17 @@ class LocalSGD:
         )  # fmt: skip
         if m is not None and not isinstance(rows, slice):
             state.momentum.index_copy_(0, rows, m)
+
+
+def _device_scalar(
+    value: float | torch.Tensor, like: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """``value`` (a number, or a 0-dim tensor: a CUDA graph's held factor) as a 0-dim tensor
+    on ``like``'s device, in ``dtype`` (default ``like``'s): filled there, not uploaded."""
+    dtype = dtype or like.dtype
+    if isinstance(value, torch.Tensor):
+        return value.to(device=like.device, dtype=dtype)
+    return torch.full((), value, dtype=dtype, device=like.device)
 
 
 @dataclass(frozen=True)
