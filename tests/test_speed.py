@@ -220,6 +220,26 @@ def test_kernel_warm_up_loads_the_types_a_run_passes(monkeypatch, tmp_path):
         assert types <= warm[name], name
 
 
+def test_plan_warm_up_loads_the_types_a_round_passes(tmp_path):
+    """data.warm_up (a BatchPlanner's setup) loads the fused linear round's layout loops
+    (linear_host) for the types a round passes: a round in the GPU's dense layout, forced
+    here on the CPU, loads no other (each load is about 6 ms of the first round)."""
+    pytest.importorskip("numba")
+    from gossip_pfl.runtime import data
+
+    data.warm_up()
+    compiled = data._compiled()
+    loops = (compiled.step_peers, compiled.linear_host)
+    before = [len(loop.signatures) for loop in loops]
+    assert min(before) >= 1
+    case = CASES["dfedem (fused SGD update)"]
+    tr = trainer(tmp_path, "auto", case, cpu_kernels=False)
+    host = data.linear_host(tr.train, 4, *data.round_batches(tr.counts, tr.train_ids, 0, 0, 4))
+    assert sum(host.sizes) > 0
+    rounds(tr, 1)
+    assert [len(loop.signatures) for loop in loops] == before
+
+
 def _loaded_before_the_fork() -> dict:
     """In a rank: which of the fork server's preloads it has, and the loops' signatures."""
     kernels = sys.modules.get("gossip_pfl.runtime.kernels")
@@ -721,13 +741,22 @@ def test_parameter_leaves_give_the_flat_leaf_gradient(name, shape, options, batc
         assert torch.equal(loss, torch.cat(want_loss))
 
 
+@pytest.mark.parametrize("compiled", [True, False])
 @pytest.mark.parametrize("dense", [False, True])
-def test_linear_uploads_hold_the_plan_written_out(dense):
-    """The fused linear round's two uploads (laid out on the planner's thread, the weights
-    scaled on the round's) against the plan written out sample by sample: each step's rows,
-    their sample indices, -step * weight / B and -y. A second upload of the same plan is
-    refused (the weights are scaled in place)."""
+def test_linear_uploads_hold_the_plan_written_out(dense, compiled, monkeypatch):
+    """The fused linear round's two uploads (laid out on the planner's thread, by the
+    compiled loop or by NumPy; the weights scaled on the round's) against the plan written
+    out sample by sample: each step's rows, their sample indices, -step * weight / B and -y
+    (-0.0 for label 0, as NumPy negates). A second upload of the same plan is refused (the
+    weights are scaled in place)."""
+    from gossip_pfl.runtime import data
     from gossip_pfl.runtime.data import PaddedSplit, linear_host, linear_uploads, round_batches
+
+    if compiled:
+        pytest.importorskip("numba")
+        assert data._compiled()
+    else:
+        monkeypatch.setattr(data, "_KERNELS", False)
 
     rng = np.random.default_rng(0)
     counts, B = [3, 9, 1, 6], 3  # 1 / 3 is no power of two: the rounding's order shows
@@ -753,7 +782,7 @@ def test_linear_uploads_hold_the_plan_written_out(dense):
     assert np.array_equal(ints[:A].numpy(), want_rows)
     assert np.array_equal(ints[A:].numpy().reshape(A, B), np.array(want_ix))
     assert np.array_equal(floats[0].numpy(), np.array(want_w))
-    assert np.array_equal(floats[1].numpy(), np.array(want_y))
+    assert np.array_equal(floats[1].numpy().view(np.uint32), np.array(want_y).view(np.uint32))
     with pytest.raises(RuntimeError, match="already uploaded"):
         linear_uploads(host, split, neg_step)
 

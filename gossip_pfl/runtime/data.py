@@ -411,19 +411,28 @@ def linear_host(
     gathers and scatter-adds, whose deterministic CUDA form sorts; the extra products cost
     the GPU microseconds and save the host most of a round), up to :data:`DENSE_SAMPLES`
     samples a round. A zero-weight sample adds exactly 0 to its peer's parameters."""
-    filled = weight.sum(-1)  # (S, L): > 0 where the peer takes the step
-    L = idx.shape[1]
-    every = np.arange(L)
-    steps = [s for s in range(idx.shape[0]) if filled[s].any()]
-    dense = dense and L * len(steps) * idx.shape[-1] <= DENSE_SAMPLES
-    rows = [(s, every if dense else np.flatnonzero(filled[s] > 0)) for s in steps]
-    B = idx.shape[-1]
-    A = sum(len(r) for _, r in rows)
-    host = LinearHost([len(r) for _, r in rows], np.empty((2, A, B), np.float32),
-                      np.empty(A + A * B, np.int64))  # fmt: skip
-    if not rows:
+    S, L, B = idx.shape
+    compiled = _compiled()
+    if compiled:  # without the GIL, which NumPy's many calls take and give back (below)
+        taking = np.empty((S, L), dtype=np.bool_)
+        compiled.step_peers(weight, taking)
+    else:
+        taking = weight.sum(-1) > 0  # (S, L): where the peer takes the step
+    steps = np.flatnonzero(taking.any(-1))
+    dense = dense and L * len(steps) * B <= DENSE_SAMPLES
+    sizes = [L] * len(steps) if dense else taking[steps].sum(-1).tolist()
+    A = sum(sizes)
+    host = LinearHost(sizes, np.empty((2, A, B), np.float32), np.empty(A + A * B, np.int64))
+    if not sizes:
         return host
     r_all, ix, floats = host.r_all, host.ix, host.floats
+    if compiled:
+        compiled.linear_host(idx, weight, split.host_y, steps, taking, dense,
+                             np.float32(1.0 / batch_size), r_all, ix, floats[0],
+                             floats[1])  # fmt: skip
+        return host
+    every = np.arange(L)
+    rows = [(s, every if dense else np.flatnonzero(taking[s])) for s in steps]
     np.concatenate([r for _, r in rows], out=r_all)
     np.concatenate([idx[s, r] for s, r in rows], out=ix)
     np.concatenate([weight[s, r] for s, r in rows], out=floats[0])
@@ -652,8 +661,20 @@ def _plan(counts, peers, seed, round_, batch_size, epochs, steps, stream, post, 
 
 def warm_up() -> None:
     """Load the plan's compiled shuffles now: numba's start takes about 0.3 s of mostly
-    Python (which no thread would hide); once per process."""
-    round_batches(np.array([2]), np.array([0]), 0, 0, 2)
+    Python (which no thread would hide); once per process. Then the fused linear round's
+    layout (:func:`linear_host`, 6 ms a load) for the arrays a round passes: the plan's
+    (S, L, B) views of (L, S, B) arrays, the split's int64 labels."""
+    # (two peers, two steps of two samples: views that are neither C- nor F-ordered)
+    idx, weight = round_batches(np.array([4, 4]), np.array([0, 1]), 0, 0, 2)
+    compiled = _compiled()
+    if compiled:
+        S, L, B = idx.shape
+        taking, labels = np.empty((S, L), np.bool_), np.zeros((L, 4), np.int64)
+        compiled.step_peers(weight, taking)
+        out = np.empty((2, S * L, B), np.float32)
+        compiled.linear_host(idx, weight, labels, np.arange(S), taking, True, np.float32(1),
+                             np.empty(S * L, np.int64), np.empty((S * L, B), np.int64), out[0],
+                             out[1])  # fmt: skip
 
 
 def _compiled() -> SimpleNamespace | bool:
@@ -662,13 +683,23 @@ def _compiled() -> SimpleNamespace | bool:
     global _KERNELS
     if _KERNELS is None:
         try:
-            from gossip_pfl.runtime.kernels import pcg64_seeds, permutations
+            from gossip_pfl.runtime.kernels import (
+                linear_host_fill,
+                pcg64_seeds,
+                permutations,
+                step_peers,
+            )
         # no numba, or numba that cannot load (its cache=True raises RuntimeError where no
         # cache folder is writable): NumPy's own seeding and shuffles, the same numbers
         except (ImportError, RuntimeError, OSError):
             _KERNELS = False
         else:
-            _KERNELS = SimpleNamespace(seeds=pcg64_seeds, permutations=permutations)
+            _KERNELS = SimpleNamespace(
+                seeds=pcg64_seeds,
+                permutations=permutations,
+                step_peers=step_peers,
+                linear_host=linear_host_fill,
+            )
     return _KERNELS
 
 

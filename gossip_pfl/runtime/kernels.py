@@ -478,3 +478,41 @@ def permutations(states, counts, reps, stride, out, filled):
                         break
                 j = np.int64(v)
                 row[i], row[j] = row[j], row[i]
+
+
+# ---- the fused linear round's host side (data.linear_host), on the planner's thread ----
+@njit(cache=True, nogil=True)
+def step_peers(weight, out):
+    """out[s, l] = whether peer l has a real sample (weight > 0) in step s; weight (S, L, B)."""
+    S, L, B = weight.shape
+    for s in range(S):
+        for p in range(L):
+            out[s, p] = False
+            for b in range(B):
+                if weight[s, p, b] > 0:
+                    out[s, p] = True
+                    break
+
+
+@njit(cache=True, nogil=True)
+def linear_host_fill(idx, weight, labels, steps, taking, dense, inv_b, rows, ix, w, neg_y):
+    """:func:`gossip_pfl.runtime.data.linear_host`'s layout, step after step of ``steps``:
+    every peer (``dense``) or those ``taking`` (S, L) the step, each row's peer in ``rows``,
+    its sample indices in ``ix``, weight * inv_b in ``w`` and -label in ``neg_y`` (float32:
+    NumPy's numbers, -0.0 for label 0 included). It holds no GIL, where NumPy's gathers and
+    copies took and gave it back a hundred times a round, slowing the round's own thread."""
+    B = idx.shape[2]
+    k = 0
+    for s in steps:
+        for p in range(idx.shape[1]):
+            if not (dense or taking[s, p]):
+                continue
+            if k == len(rows):  # (numba checks no bounds: a write past them corrupts memory)
+                raise IndexError("linear_host_fill: more rows than its outputs hold")
+            rows[k] = p
+            for b in range(B):
+                i = idx[s, p, b]
+                ix[k, b] = i
+                w[k, b] = weight[s, p, b] * inv_b
+                neg_y[k, b] = -np.float32(labels[p, i])
+            k += 1
