@@ -745,12 +745,19 @@ def test_parameter_leaves_give_the_flat_leaf_gradient(name, shape, options, batc
 @pytest.mark.parametrize("dense", [False, True])
 def test_linear_uploads_hold_the_plan_written_out(dense, compiled, monkeypatch):
     """The fused linear round's two uploads (laid out on the planner's thread, by the
-    compiled loop or by NumPy; the weights scaled on the round's) against the plan written
-    out sample by sample: each step's rows, their sample indices, -step * weight / B and -y
-    (-0.0 for label 0, as NumPy negates). A second upload of the same plan is refused (the
-    weights are scaled in place)."""
+    compiled loop or by NumPy; the weights scaled on the round's) and the plan the device
+    works out of them, against the plan written out sample by sample: each step's rows,
+    their sample indices (int32), -step * weight / B, the samples' positions among the real
+    ones and -y times the weight (-0.0 for label 0, as NumPy negates). A second upload of
+    the same plan is refused (the weights are scaled in place)."""
     from gossip_pfl.runtime import data
-    from gossip_pfl.runtime.data import PaddedSplit, linear_host, linear_uploads, round_batches
+    from gossip_pfl.runtime.data import (
+        PaddedSplit,
+        linear_host,
+        linear_plan,
+        linear_uploads,
+        round_batches,
+    )
 
     if compiled:
         pytest.importorskip("numba")
@@ -769,7 +776,7 @@ def test_linear_uploads_hold_the_plan_written_out(dense, compiled, monkeypatch):
     neg_step = np.array([-0.1, -0.2, -0.3, -0.4], np.float32)
     host = linear_host(split, B, idx, weight, dense=dense)
     floats, ints = linear_uploads(host, split, neg_step)
-    want_rows, want_ix, want_w, want_y = [], [], [], []
+    want_rows, want_ix, want_w, want_y, want_pos = [], [], [], [], []
     for s in range(idx.shape[0]):
         for peer in range(4):
             if weight[s].sum() > 0 and (dense or weight[s, peer].sum() > 0):
@@ -777,12 +784,17 @@ def test_linear_uploads_hold_the_plan_written_out(dense, compiled, monkeypatch):
                 want_ix.append(idx[s, peer])
                 want_w.append(weight[s, peer] * np.float32(1 / B) * neg_step[peer])
                 want_y.append(-labels[peer, idx[s, peer]])
+                want_pos.append(sum(counts[:peer]) + idx[s, peer])
     A = len(want_rows)
-    assert sum(host.sizes) == A and floats.shape == (2, A, B)
+    assert sum(host.sizes) == A and floats.shape == (A, B) and ints.dtype == torch.int32
     assert np.array_equal(ints[:A].numpy(), want_rows)
     assert np.array_equal(ints[A:].numpy().reshape(A, B), np.array(want_ix))
-    assert np.array_equal(floats[0].numpy(), np.array(want_w))
-    assert np.array_equal(floats[1].numpy().view(np.uint32), np.array(want_y).view(np.uint32))
+    assert np.array_equal(floats.numpy(), np.array(want_w))
+    plan = linear_plan(host.sizes, split, floats, ints, None)
+    assert np.array_equal(torch.cat(plan.pos).numpy(), np.ravel(want_pos))
+    ycoef = torch.cat(plan.ycoef)[..., 0].numpy()
+    want = np.array(want_y) * np.array(want_w)
+    assert np.array_equal(ycoef.view(np.uint32), want.view(np.uint32))
     with pytest.raises(RuntimeError, match="already uploaded"):
         linear_uploads(host, split, neg_step)
 

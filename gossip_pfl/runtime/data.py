@@ -152,6 +152,12 @@ class PaddedSplit:
         return np.concatenate([[0], np.cumsum(self.host_counts)[:-1]]).astype(np.int64)
 
     @cached_property
+    def neg_labels(self) -> torch.Tensor:
+        """(L * N_max,) float32 -y on the split's device, peer-major (the fused linear round
+        gathers its batches' from it)."""
+        return self.y.flatten().float().neg_()
+
+    @cached_property
     def device_offsets(self) -> torch.Tensor:
         """:attr:`offsets` on the split's device, uploaded once."""
         return torch.as_tensor(self.offsets, device=self.y.device)
@@ -375,9 +381,11 @@ class LinearHost:
     """The host side of a :class:`LinearRound`, a pure function of the round's minibatch
     plan (so the planner draws it ahead, :class:`BatchPlanner`, off the main thread): per step
     the peers still in their epoch (``sizes``: how many), and the round's two uploads, laid out
-    as :func:`linear_uploads` sends them. ``floats`` (2, sum A, B): the sample weights / B
-    (:func:`linear_uploads` scales them by each peer's -step in place), then -y; ``ints``
-    (sum A + sum A * B): the steps' rows, then their sample indices."""
+    as :func:`linear_uploads` sends them. ``floats`` (sum A, B): the sample weights / B
+    (:func:`linear_uploads` scales them by each peer's -step in place); ``ints`` (sum A + sum A
+    * B) int32: the steps' rows, then their sample indices. The labels are gathered on the
+    device (:func:`linear_plan`), and the indices fit 32 bits: half the bytes of uploading
+    -y and int64 indices, which the round's own thread copies into page-locked memory."""
 
     sizes: list
     floats: np.ndarray
@@ -387,12 +395,12 @@ class LinearHost:
     @property
     def r_all(self) -> np.ndarray:
         """(sum A,) each step's peers, step after step."""
-        return self.ints[: self.floats.shape[1]]
+        return self.ints[: len(self.floats)]
 
     @property
     def ix(self) -> np.ndarray:
         """(sum A, B) their samples' indices."""
-        return self.ints[self.floats.shape[1] :].reshape(self.floats.shape[1:])
+        return self.ints[len(self.floats) :].reshape(self.floats.shape)
 
 
 #: most samples a round's dense steps hold (:func:`linear_host`): past it (thousands of
@@ -422,23 +430,20 @@ def linear_host(
     dense = dense and L * len(steps) * B <= DENSE_SAMPLES
     sizes = [L] * len(steps) if dense else taking[steps].sum(-1).tolist()
     A = sum(sizes)
-    host = LinearHost(sizes, np.empty((2, A, B), np.float32), np.empty(A + A * B, np.int64))
+    host = LinearHost(sizes, np.empty((A, B), np.float32), np.empty(A + A * B, np.int32))
     if not sizes:
         return host
     r_all, ix, floats = host.r_all, host.ix, host.floats
     if compiled:
-        compiled.linear_host(idx, weight, split.host_y, steps, taking, dense,
-                             np.float32(1.0 / batch_size), r_all, ix, floats[0],
-                             floats[1])  # fmt: skip
+        compiled.linear_host(idx, weight, steps, taking, dense, np.float32(1.0 / batch_size),
+                             r_all, ix, floats)  # fmt: skip
         return host
     every = np.arange(L)
     rows = [(s, every if dense else np.flatnonzero(taking[s])) for s in steps]
     np.concatenate([r for _, r in rows], out=r_all)
     np.concatenate([idx[s, r] for s, r in rows], out=ix)
-    np.concatenate([weight[s, r] for s, r in rows], out=floats[0])
-    floats[0] *= np.float32(1.0 / batch_size)
-    floats[1] = split.host_y[r_all[:, None], ix]
-    np.negative(floats[1], out=floats[1])
+    np.concatenate([weight[s, r] for s, r in rows], out=floats)
+    floats *= np.float32(1.0 / batch_size)
     return host
 
 
@@ -492,8 +497,8 @@ def linear_uploads(
     host: LinearHost, split: PaddedSplit, neg_step: np.ndarray, upload: Uploads | None = None
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The device's copy of a round's :class:`LinearHost` (None: no step): two uploads
-    (through ``upload``; None: copies from pageable memory), the floats (2, sum A, B)
-    -step * weight / B and -y, and the indices (sum A + sum A * B) rows then sample indices;
+    (through ``upload``; None: copies from pageable memory), the floats (sum A, B)
+    -step * weight / B, and the int32 indices (sum A + sum A * B) rows then sample indices;
     :func:`linear_plan` works out the rest on the device. ``neg_step`` (L,) float32 is each
     peer's -lr * factor * lr_scale. The planner's thread laid them out, so the round's own
     thread only scales the weights, in place (once: a host is used for one round)."""
@@ -503,7 +508,7 @@ def linear_uploads(
         raise RuntimeError("linear_uploads: this round's plan was already uploaded")
     host.scaled = True  # before the scaling: one that fails half-way is not retried
     with np.errstate(invalid="ignore", over="ignore"):  # a NaN lr: the finite check names it
-        host.floats[0] *= neg_step[host.r_all][:, None]  # (sum A, B) f32
+        host.floats *= neg_step[host.r_all][:, None]  # (sum A, B) f32
     upload = upload or Uploads(split.y.device, staged=False)
     return upload("floats", host.floats), upload("ints", host.ints)
 
@@ -517,18 +522,19 @@ def linear_plan(
     and with ``q`` (L, M, N) (the responsibilities; None: weight 1) each sample's share of
     every component."""
     L, n_max = split.y.shape
-    A, B = floats.shape[1:]
-    rows, ix = ints.split([A, A * B])
+    A, B = floats.shape
+    rows, ix = ints.long().split([A, A * B])  # (uploaded as int32: half the bytes)
     ix = ix.view(A, B)
     # a padded or finished peer's places point at a real sample (weight 0: it adds nothing)
     last = max(0, len(split.augmented) - 1)  # its rows are the real samples
     pos = (split.device_offsets[rows][:, None] + ix).clamp_max_(last).view(-1)
-    coef = floats[0, :, :, None]  # (sum A, B, 1)
+    coef = floats[:, :, None]  # (sum A, B, 1)
     if q is not None:  # q[peer, m, sample]: one take over the flattened (L, M, N) tensor
         M = q.shape[1]
         first = (rows * (M * n_max))[:, None, None] + ix[:, :, None]
         coef = q.take(first + torch.arange(0, M * n_max, n_max, device=q.device)).mul_(coef)
-    ycoef = floats[1, :, :, None] * coef
+    neg_y = split.neg_labels.take(rows[:, None] * n_max + ix)  # (sum A, B)
+    ycoef = neg_y[:, :, None] * coef
     row_list = [None if a == L else r for a, r in zip(sizes, rows.split(sizes))]
     return LinearRound(row_list, pos.split([a * B for a in sizes]), coef.split(sizes),
                        ycoef.split(sizes))  # fmt: skip
@@ -663,18 +669,17 @@ def warm_up() -> None:
     """Load the plan's compiled shuffles now: numba's start takes about 0.3 s of mostly
     Python (which no thread would hide); once per process. Then the fused linear round's
     layout (:func:`linear_host`, 6 ms a load) for the arrays a round passes: the plan's
-    (S, L, B) views of (L, S, B) arrays, the split's int64 labels."""
+    (S, L, B) views of (L, S, B) arrays."""
     # (two peers, two steps of two samples: views that are neither C- nor F-ordered)
     idx, weight = round_batches(np.array([4, 4]), np.array([0, 1]), 0, 0, 2)
     compiled = _compiled()
     if compiled:
         S, L, B = idx.shape
-        taking, labels = np.empty((S, L), np.bool_), np.zeros((L, 4), np.int64)
+        taking = np.empty((S, L), np.bool_)
         compiled.step_peers(weight, taking)
-        out = np.empty((2, S * L, B), np.float32)
-        compiled.linear_host(idx, weight, labels, np.arange(S), taking, True, np.float32(1),
-                             np.empty(S * L, np.int64), np.empty((S * L, B), np.int64), out[0],
-                             out[1])  # fmt: skip
+        compiled.linear_host(idx, weight, np.arange(S), taking, True, np.float32(1),
+                             np.empty(S * L, np.int32), np.empty((S * L, B), np.int32),
+                             np.empty((S * L, B), np.float32))  # fmt: skip
 
 
 def _compiled() -> SimpleNamespace | bool:

@@ -495,12 +495,12 @@ def step_peers(weight, out):
 
 
 @njit(cache=True, nogil=True)
-def linear_host_fill(idx, weight, labels, steps, taking, dense, inv_b, rows, ix, w, neg_y):
+def linear_host_fill(idx, weight, steps, taking, dense, inv_b, rows, ix, w):
     """:func:`gossip_pfl.runtime.data.linear_host`'s layout, step after step of ``steps``:
     every peer (``dense``) or those ``taking`` (S, L) the step, each row's peer in ``rows``,
-    its sample indices in ``ix``, weight * inv_b in ``w`` and -label in ``neg_y`` (float32:
-    NumPy's numbers, -0.0 for label 0 included). It holds no GIL, where NumPy's gathers and
-    copies took and gave it back a hundred times a round, slowing the round's own thread."""
+    its sample indices in ``ix`` and weight * inv_b in ``w`` (float32: NumPy's numbers). It
+    holds no GIL, where NumPy's gathers and copies took and gave it back many times a round,
+    slowing the round's own thread."""
     B = idx.shape[2]
     k = 0
     for s in steps:
@@ -511,8 +511,6 @@ def linear_host_fill(idx, weight, labels, steps, taking, dense, inv_b, rows, ix,
                 raise IndexError("linear_host_fill: more rows than its outputs hold")
             rows[k] = p
             for b in range(B):
-                i = idx[s, p, b]
-                ix[k, b] = i
+                ix[k, b] = idx[s, p, b]
                 w[k, b] = weight[s, p, b] * inv_b
-                neg_y[k, b] = -np.float32(labels[p, i])
             k += 1
