@@ -961,6 +961,39 @@ def test_a_simulated_graph_keeps_what_its_first_call_read():
         replay("fresh", lambda t: out.add_(t * step["size"]), torch.ones(2))
 
 
+@pytest.mark.parametrize("case", ["dfedem (plain SGD)", "fedem, q smoothing"])
+def test_graphed_e_step_gives_the_eager_e_steps_bits(case, monkeypatch, tmp_path):
+    """``runtime.cuda_graphs``' E-step graph (the binary linear mixture's losses, q and pi),
+    simulated on the CPU: seven rounds, the first eager, the third and fourth with half the
+    peers (eager too), give the eager E-step's parameters and mixture weights to the bit, so the
+    graph reads this round's mixture weights and stack, not its first call's; one graph per
+    stack (gossip alternates between two), replayed; the personal state is not the graph's
+    output buffer, which the next round overwrites."""
+    from gossip_pfl.runtime.graphs import GraphReplay, _Recorded
+
+    algorithm = {"fedem, q smoothing": {"name": "fedem", "components": 2, "q_smoothing": 0.1},
+                 **GRAPH_CASES}[case]  # fmt: skip
+    replays, replay = [], _Recorded.replay
+    monkeypatch.setattr(_Recorded, "replay", lambda self: replays.append(replay(self)))
+    out = {}
+    for graphs in (False, True):
+        tr = trainer(tmp_path / str(graphs), "auto", algorithm, cpu_kernels=False,
+                     sizes=[40, 85, 20, 59, 33, 59])  # fmt: skip
+        assert tr.e_step_graphs is None  # (a CPU: none unless asked for, as here)
+        tr.e_step_graphs = GraphReplay(simulate=True) if graphs else None
+        rounds(tr, 2)
+        tr.cfg.participation, tr.n_active = 0.5, 3
+        rounds_from(tr, 2, 2)
+        tr.cfg.participation, tr.n_active = 1.0, 6
+        rounds_from(tr, 4, 3)
+        out[graphs] = tr
+    eager, graphed = out[False], out[True]
+    assert 1 <= len(graphed.e_step_graphs.graphs) <= 2 and len(replays) >= 2
+    assert graphed.personal["pi"].data_ptr() != graphed._held["e_step_pi"].data_ptr()
+    assert torch.equal(eager.nodes, graphed.nodes)
+    assert torch.equal(eager.personal["pi"], graphed.personal["pi"])
+
+
 @pytest.mark.parametrize("forms", [(), ("cpu",)])
 @pytest.mark.parametrize("reorder", [(), ("cpu",)])
 @pytest.mark.parametrize("case", list(GRAPH_CASES))
