@@ -15,7 +15,8 @@
 # by `prepare`, side by side in the same call.
 #
 # `test` and `bench` each fit one 10-minute call and write their logs to $OUT (at most 8
-# files come back). Each installs first, so either may run on a fresh machine.
+# files come back: more are packed into $OUT/gpu_kit_out.tgz at the end). Each installs
+# first, so either may run on a fresh machine.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 KIT=.gpu_kit
@@ -100,9 +101,9 @@ stage() {
 # bench SYNTHETIC_S OPS_S PROFILE_S CNN_S MAX_PEERS CNN_MODES BASE_S [STEP_GRAPHS]: 200
 # synthetic rounds on the GPU (this tree without CUDA graphs once, then with them twice,
 # alternating with the $BASE tree; then the anchor), operations per round, a profile of a
-# round (both ways), the CNN (with a profile of a round, the most clients up to MAX_PEERS, 0:
-# none, and each mode with its steps eager and as CUDA graphs where STEP_GRAPHS is off,on),
-# the CNN on the $BASE tree
+# round (both ways), the planner's host work, the CNN (with a profile of a round, the most
+# clients up to MAX_PEERS, 0: none, and each mode with its steps eager and as CUDA graphs
+# where STEP_GRAPHS is off,on), the CNN on the $BASE tree
 bench() {
     export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
     # a failed run shows its last lines, the others still run, and the stage then fails
@@ -127,6 +128,8 @@ bench() {
         --json /tmp/bench_ops.json && cat /tmp/bench_ops.json'
     stage profile "$3" bash -c '$PY benchmarks/gpu_profile.py --set runtime.cuda_graphs=false &&
         $PY benchmarks/gpu_profile.py'
+    # the planner's host work and the round's thread's stalls, on a machine of many cores
+    stage planner 25 $PY benchmarks/bench_planner.py --repeats 15
     stage cnn "$4" $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers "$5" \
         --modes "$6" --step-graphs "${8:-off}" --profile --json "$OUT/bench_cnn.json"
     cnn_base "$7"
@@ -186,6 +189,16 @@ case "${1:-}" in
         exit 2
         ;;
 esac
+# the device tool brings back at most 8 files from $OUT (`all` writes 11): past that, one
+# archive of them all (a call stopped before this point leaves the logs as they are)
+if [ -d "$OUT" ]; then
+    files=("$OUT"/*)
+    if [ "${#files[@]}" -gt 8 ]; then
+        tar czf /tmp/gpu_kit_out.tgz -C "$OUT" . && rm -f "${files[@]}" &&
+            mv /tmp/gpu_kit_out.tgz "$OUT/gpu_kit_out.tgz" &&
+            echo "gpu_kit: the ${#files[@]} files are in $OUT/gpu_kit_out.tgz"
+    fi
+fi
 # a stage's timeout (124, or 137 when killed) would read as the device call's own timeout
 if [ "$worst" -eq 124 ] || [ "$worst" -eq 137 ]; then
     echo "gpu_kit: a stage ran past its time limit (exit $worst; see its log)" >&2
