@@ -79,13 +79,13 @@ def main() -> None:
         data.round_batches(*key, k, a.batch_size, 1, None, 0, True)
 
     def layout(k: int) -> None:
-        data.linear_host(tr.train, a.batch_size, *plans[k % 4], dense=True)
+        data.linear_host(a.batch_size, *plans[k % 4], dense=True)
 
     def both(k: int) -> None:
         data._plan(*key, k, a.batch_size, 1, None, 0,
-                   partial(data.linear_host, tr.train, a.batch_size, dense=True), True)  # fmt: skip
+                   partial(data.linear_host, a.batch_size, dense=True), True)  # fmt: skip
 
-    host = data.linear_host(tr.train, a.batch_size, *plans[0], dense=True)
+    host = data.linear_host(a.batch_size, *plans[0], dense=True)
     mib = (host.floats.nbytes + host.ints.nbytes) / 2**20
     print(f"# {args.peers} peers, B = {a.batch_size}: {mib:.2f} MiB of uploads a round; "
           f"median of {args.repeats}, ms")  # fmt: skip

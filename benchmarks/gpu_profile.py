@@ -172,7 +172,7 @@ def uploads(tr: Trainer) -> None:
 
     idx, weight = round_batches(tr.counts, tr.train_ids[tr.peers], tr.cfg.seed, 0,
                                 tr.cfg.algorithm.batch_size)  # fmt: skip
-    host = linear_host(tr.train, tr.cfg.algorithm.batch_size, idx, weight, dense=True)
+    host = linear_host(tr.cfg.algorithm.batch_size, idx, weight, dense=True)
     arrays = {"floats": host.floats, "ints": host.ints}
     device = tr.device
     total = sum(a.nbytes for a in arrays.values())

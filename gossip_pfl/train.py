@@ -264,7 +264,7 @@ class Trainer(RoundLoop):
                            self.comm.rank, self.comm.world_size, self.device)  # fmt: skip
         self.train, self.test, self.unseen_pos = data.train, data.test, data.unseen_pos
         # the fused linear step's host side, worked out by the planner a round ahead
-        self._linear_host = partial(linear_host, self.train, cfg.algorithm.batch_size,
+        self._linear_host = partial(linear_host, cfg.algorithm.batch_size,
                                     dense=dense_layout(self.device))  # fmt: skip
         self.unseen_train, self.unseen_test = data.unseen_train, data.unseen_test
         self.counts = self.train.counts.cpu().numpy()
@@ -301,7 +301,8 @@ class Trainer(RoundLoop):
         # (about 20 launches a round; _graphed_e_step)
         self.e_step_graphs = None
         if self.forward.graphs is not None and self._graphs_e_step():
-            self.e_step_graphs = GraphReplay(keep=4)
+            # (each graph reads its input and held tensors and writes held ones: one pool)
+            self.e_step_graphs = GraphReplay(keep=4, share_pool=True)
         self.track_loss = "loss" in self.rule.scalars
         self.line_search = isinstance(self.solver, LocalArmijo)
         # the line search's grow reset: 2^(1 / batches per epoch)
@@ -396,6 +397,7 @@ class Trainer(RoundLoop):
             and type(self.surrogate) is MixtureSurrogate
             and self.M > 1
             and set(self.personal) == {"pi"}
+            and not self.fuses_e_step  # (the CPU's compiled loops work it out themselves)
         )
 
     def _graphed_e_step(self, theta: torch.Tensor) -> tuple[dict, torch.Tensor]:

@@ -220,24 +220,27 @@ def test_kernel_warm_up_loads_the_types_a_run_passes(monkeypatch, tmp_path):
         assert types <= warm[name], name
 
 
-def test_plan_warm_up_loads_the_types_a_round_passes(tmp_path):
-    """data.warm_up (a BatchPlanner's setup) loads the fused linear round's layout loops
-    (linear_host) for the types a round passes: a round in the GPU's dense layout, forced
-    here on the CPU, loads no other (each load is about 6 ms of the first round)."""
+@pytest.mark.parametrize("counts, B", [([50], 8), ([4, 4], 2), ([5, 7], 1), ([3], 1),
+                                       ([9, 30, 4], 4)])  # fmt: skip
+def test_plan_layout_loops_take_every_layout_with_one_signature(counts, B, monkeypatch):
+    """The fused linear round's layout loops (data.linear_host) hold one signature each, of
+    any array layout, loaded with their module: the plan's views are C-ordered with one peer
+    or one step, F-ordered with B = 1, neither otherwise; each goes through that signature
+    (nothing compiled or loaded in a round) and gives NumPy's layout, dense and trimmed."""
     pytest.importorskip("numba")
     from gossip_pfl.runtime import data
 
-    data.warm_up()
     compiled = data._compiled()
-    loops = (compiled.step_peers, compiled.linear_host)
-    before = [len(loop.signatures) for loop in loops]
-    assert min(before) >= 1
-    case = CASES["dfedem (fused SGD update)"]
-    tr = trainer(tmp_path, "auto", case, cpu_kernels=False)
-    host = data.linear_host(tr.train, 4, *data.round_batches(tr.counts, tr.train_ids, 0, 0, 4))
-    assert sum(host.sizes) > 0
-    rounds(tr, 1)
-    assert [len(loop.signatures) for loop in loops] == before
+    idx, weight = data.round_batches(np.array(counts), np.arange(len(counts)), 0, 0, B)
+    for dense in (False, True):
+        fast = data.linear_host(B, idx, weight, dense)
+        monkeypatch.setattr(data, "_KERNELS", False)
+        slow = data.linear_host(B, idx, weight, dense)
+        monkeypatch.setattr(data, "_KERNELS", compiled)
+        assert fast.sizes == slow.sizes
+        assert np.array_equal(fast.ints, slow.ints)
+        assert np.array_equal(fast.floats.view(np.uint32), slow.floats.view(np.uint32))
+    assert len(compiled.step_peers.signatures) == len(compiled.linear_host.signatures) == 1
 
 
 def _loaded_before_the_fork() -> dict:
@@ -361,7 +364,7 @@ def test_gpu_layout_equals_cpu_layout_on_the_cpu(participation, monkeypatch, tmp
     assert any(a < L for sizes in steps[False] for a in sizes)
     monkeypatch.setattr(data, "DENSE_SAMPLES", 0)  # past the cap: the trimmed steps
     idx, weight = data.round_batches(tr.counts, tr.train_ids, 3, 0, 16)
-    host = data.linear_host(tr.train, 16, idx, weight, dense=True)
+    host = data.linear_host(16, idx, weight, dense=True)
     assert host.sizes == [int((weight[s].sum(-1) > 0).sum()) for s in range(len(idx))]
     np.testing.assert_allclose(runs[0].shared_parameters(), runs[1].shared_parameters(),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
@@ -774,7 +777,7 @@ def test_linear_uploads_hold_the_plan_written_out(dense, compiled, monkeypatch):
         labels[peer, : len(y)] = y
     idx, weight = round_batches(np.array(counts), np.arange(4), 0, 0, B)
     neg_step = np.array([-0.1, -0.2, -0.3, -0.4], np.float32)
-    host = linear_host(split, B, idx, weight, dense=dense)
+    host = linear_host(B, idx, weight, dense=dense)
     floats, ints = linear_uploads(host, split, neg_step)
     want_rows, want_ix, want_w, want_y, want_pos = [], [], [], [], []
     for s in range(idx.shape[0]):
@@ -943,7 +946,7 @@ def test_a_simulated_graph_keeps_what_its_first_call_read():
     """``GraphReplay(simulate=True)``, the CPU's stand-in for a captured graph: a known key
     runs the first call's function again on its buffers, this call's inputs copied in; a
     value the function took from its closure stays the first call's, as in a graph, and one
-    it reads afresh is an error."""
+    it reads afresh is an error: a number, or a tensor made anew."""
     from gossip_pfl.runtime.graphs import GraphReplay
 
     replay, out = GraphReplay(simulate=True), torch.zeros(2)
@@ -959,6 +962,21 @@ def test_a_simulated_graph_keeps_what_its_first_call_read():
     step["size"] = 0.5
     with pytest.raises(AssertionError, match="other host values"):
         replay("fresh", lambda t: out.add_(t * step["size"]), torch.ones(2))
+    # a tensor read afresh (a new one each round, from an attribute): a graph reads the
+    # memory it was captured with; the temporaries the function makes and views of them are
+    # its own at each call
+    state = {"w": torch.ones(2)}
+    keep = state["w"]  # (alive: the new tensor cannot take its place in memory)
+
+    def read(t: torch.Tensor) -> None:
+        out.add_((t * state["w"]).view(2, 1).sum(1))
+
+    replay("tensor", read, torch.ones(2))
+    replay("tensor", read, torch.ones(2))  # the same tensor: fine
+    state["w"] = torch.ones(2)
+    assert state["w"].data_ptr() != keep.data_ptr()
+    with pytest.raises(AssertionError, match="or tensors"):
+        replay("tensor", read, torch.ones(2))
 
 
 @pytest.mark.parametrize("case", ["dfedem (plain SGD)", "fedem, q smoothing"])

@@ -390,7 +390,7 @@ class LinearHost:
     sizes: list
     floats: np.ndarray
     ints: np.ndarray
-    scaled: bool = False  # floats[0] holds -step * weight / B (linear_uploads did it)
+    scaled: bool = False  # floats holds -step * weight / B (linear_uploads did it)
 
     @property
     def r_all(self) -> np.ndarray:
@@ -409,10 +409,9 @@ DENSE_SAMPLES = 1 << 21
 
 
 def linear_host(
-    split: PaddedSplit, batch_size: int, idx: np.ndarray, weight: np.ndarray,
-    dense: bool = False,
-) -> LinearHost:  # fmt: skip
-    """:class:`LinearHost` of :func:`round_batches`' plan (idx, weight) over ``split``.
+    batch_size: int, idx: np.ndarray, weight: np.ndarray, dense: bool = False
+) -> LinearHost:
+    """:class:`LinearHost` of :func:`round_batches`' plan (idx, weight).
 
     ``dense``: every step holds every peer, those past their epoch with weight 0 (a GPU's
     choice: a step is then a few operations on views of the whole stack, without the rows'
@@ -666,25 +665,17 @@ def _plan(counts, peers, seed, round_, batch_size, epochs, steps, stream, post, 
 
 
 def warm_up() -> None:
-    """Load the plan's compiled shuffles now: numba's start takes about 0.3 s of mostly
-    Python (which no thread would hide); once per process. Then the fused linear round's
-    layout (:func:`linear_host`, 6 ms a load) for the arrays a round passes: the plan's
-    (S, L, B) views of (L, S, B) arrays."""
-    # (two peers, two steps of two samples: views that are neither C- nor F-ordered)
-    idx, weight = round_batches(np.array([4, 4]), np.array([0, 1]), 0, 0, 2)
-    compiled = _compiled()
-    if compiled:
-        S, L, B = idx.shape
-        taking = np.empty((S, L), np.bool_)
-        compiled.step_peers(weight, taking)
-        compiled.linear_host(idx, weight, np.arange(S), taking, True, np.float32(1),
-                             np.empty(S * L, np.int32), np.empty((S * L, B), np.int32),
-                             np.empty((S * L, B), np.float32))  # fmt: skip
+    """Load the plan's compiled loops now: numba's start takes about 0.3 s of mostly
+    Python (which no thread would hide), and the shuffles' first call and the fused linear
+    round's layout (:func:`linear_host`, loaded with their module) a few ms more; the
+    first time in a process, a few microseconds after."""
+    round_batches(np.array([2]), np.array([0]), 0, 0, 2)
 
 
 def _compiled() -> SimpleNamespace | bool:
-    """The plan's compiled loops, ``seeds`` (:func:`gossip_pfl.runtime.kernels.pcg64_seeds`)
-    and ``permutations``, or False without a loadable numba."""
+    """The plan's compiled loops (:mod:`gossip_pfl.runtime.kernels`): ``seeds``
+    (``pcg64_seeds``), ``permutations``, and the fused linear round's layout ``step_peers``
+    and ``linear_host`` (``linear_host_fill``); False without a loadable numba."""
     global _KERNELS
     if _KERNELS is None:
         try:

@@ -17,11 +17,14 @@ from torch.utils._pytree import tree_flatten
 
 class _HostValues(TorchDispatchMode):
     """The operations a function runs and the host values they take (numbers, dtypes, shapes;
-    not tensors' contents), for :class:`_Recorded`."""
+    not tensors' contents), for :class:`_Recorded`; and the memory of each tensor an
+    operation reads that the call did not make (a captured graph reads those addresses, so
+    a tensor taken afresh each round, from an attribute, would be the first round's there)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.ops: list[tuple] = []
+        self.made: set[int] = set()  # the storages this call's operations allocated
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -29,14 +32,26 @@ class _HostValues(TorchDispatchMode):
         host = tuple(
             (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in leaves
         )
-        self.ops.append((str(func), host))
-        return func(*args, **kwargs)
+        read = [_storage(v) for v in leaves if isinstance(v, torch.Tensor)]
+        held = tuple(p for p in read if p not in self.made)
+        self.ops.append((str(func), host, held))
+        out = func(*args, **kwargs)
+        # new memory only: a view or an in-place result is the tensor it read
+        outs, _ = tree_flatten(out)
+        self.made.update(p for v in outs if isinstance(v, torch.Tensor)
+                         if (p := _storage(v)) not in read)  # fmt: skip
+        return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
 
 
 class _Recorded:
     """What :class:`GraphReplay` keeps instead of a graph when it ``simulate``s one: the
-    function of the first call, its buffers, and the host values its operations took; each
-    :meth:`replay` runs the function again and checks that they took the same ones."""
+    function of the first call, its buffers, and the host values and held tensors its
+    operations took; each :meth:`replay` runs the function again and checks that they took
+    the same ones."""
 
     def __init__(self, fn: Callable[..., None], inputs: tuple) -> None:
         self.fn, self.inputs = fn, inputs
@@ -51,7 +66,8 @@ class _Recorded:
             at = next((i for i, (a, b) in enumerate(zip(seen.ops, self.ops)) if a != b),
                       min(len(seen.ops), len(self.ops)))  # fmt: skip
             raise AssertionError(
-                f"a graph would replay other host values than this run reads: operation {at} "
+                f"a graph would replay other host values or tensors than this run reads: "
+                f"operation {at} "
                 f"was {self.ops[at] if at < len(self.ops) else None}, now "
                 f"{seen.ops[at] if at < len(seen.ops) else None}"
             )
@@ -77,7 +93,8 @@ class GraphReplay:
     closure (a step size, a tensor made anew every round) then stays what it was, as in a
     captured graph, and a comparison with eager steps finds it. A value it reads afresh (an
     attribute, a global) would change where a graph's would not: each replay checks that its
-    operations take the host values (numbers, dtypes, shapes) of the first call.
+    operations take the host values (numbers, dtypes, shapes) of the first call, and read
+    the same memory where they read a tensor the call did not make.
 
     A capture that raises (an operation a graph cannot hold, e.g. one that waits for the
     device) sets :attr:`failure`; this call's work was done by the run before it, and every

@@ -481,7 +481,10 @@ def permutations(states, counts, reps, stride, out, filled):
 
 
 # ---- the fused linear round's host side (data.linear_host), on the planner's thread ----
-@njit(cache=True, nogil=True)
+# One signature each, of any layout ('A'): the plan's (S, L, B) views are C-ordered with one
+# peer or one step, F-ordered with B = 1, neither otherwise; numba takes each as this one
+# (loaded at import, with no compiling or loading of another in a round).
+@njit("void(float32[:, :, :], boolean[:, :])", cache=True, nogil=True)
 def step_peers(weight, out):
     """out[s, l] = whether peer l has a real sample (weight > 0) in step s; weight (S, L, B)."""
     S, L, B = weight.shape
@@ -494,7 +497,12 @@ def step_peers(weight, out):
                     break
 
 
-@njit(cache=True, nogil=True)
+@njit(
+    "void(int64[:, :, :], float32[:, :, :], int64[:], boolean[:, :], boolean, float32, "
+    "int32[:], int32[:, :], float32[:, :])",
+    cache=True,
+    nogil=True,
+)
 def linear_host_fill(idx, weight, steps, taking, dense, inv_b, rows, ix, w):
     """:func:`gossip_pfl.runtime.data.linear_host`'s layout, step after step of ``steps``:
     every peer (``dense``) or those ``taking`` (S, L) the step, each row's peer in ``rows``,
