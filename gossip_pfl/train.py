@@ -922,39 +922,51 @@ class Trainer(RoundLoop):
                 bad = (~torch.isfinite(flat)).any(-1)
                 self._raise_not_finite(t, int(bad.nonzero()[0, 0]) + 1, 1)
             return
-        # (first bad peer here + 1 or 0, the same summed over the ranks), on the device
-        flag = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if flat.numel():
-            lo, hi = torch.aminmax(flat, dim=1)  # NaN propagates; one pass, no temporary
-            bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
-            first = bad.to(torch.uint8).argmax() + 1  # the first True (argmax takes the first)
-            flag[:] = torch.where(bad.any(), first, 0).double()
-        if multi:
+        if multi:  # (first bad peer here + 1 or 0, the same summed over the ranks), on the device
+            flag = torch.zeros(2, dtype=torch.float64, device=self.device)
+            if flat.numel():
+                lo, hi = torch.aminmax(flat, dim=1)  # NaN propagates; one pass, no temporary
+                bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
+                first = bad.to(torch.uint8).argmax() + 1  # the first True (argmax: the first)
+                flag[:] = torch.where(bad.any(), first, 0).double()
             self.comm.all_reduce_sum(flag[1:])
+        elif not flat.numel():
+            return
+        else:  # one process: each peer's smallest and largest value, read on the host (two
+            # operations and the copy where the flag took a dozen: on a GPU, host time)
+            flag = torch.stack(torch.aminmax(flat, dim=1))  # (2, L)
         self._finite_pending = (t, flag)
         if not queue:
             return self._finite_checked()
         if self.device.type != "cuda":  # (a test queues it on the CPU)
             return
-        if self._finite_host is None:  # one page-locked buffer: read before the next copy
-            self._finite_host = torch.empty(2, dtype=torch.float64, pin_memory=True)
-        self._finite_host.copy_(flag, non_blocking=True)
+        host = self._finite_host  # one page-locked buffer: read before the next copy
+        if host is None or host.shape != flag.shape or host.dtype != flag.dtype:
+            host = torch.empty(flag.shape, dtype=flag.dtype, pin_memory=True)
+            self._finite_host = host
+        host.copy_(flag, non_blocking=True)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(self.device))
-        self._finite_pending = (t, self._finite_host, done)
+        self._finite_pending = (t, host, done)
 
     def settle(self) -> None:
         self._finite_checked()
 
     def _finite_checked(self) -> None:
-        """Read a queued :meth:`_check_finite` (none: nothing to do)."""
+        """Read a queued :meth:`_check_finite` (none: nothing to do): the ranks' summed flag
+        (first bad row + 1 here, any anywhere), or one process's (2, L) smallest and largest
+        value of each row."""
         if self._finite_pending is None:
             return
         t, flag, *done = self._finite_pending
         self._finite_pending = None
         if done:
             done[0].synchronize()  # the copy to the host, queued before the round's exchange
-        first, worst = (int(v) for v in flag.tolist())
+        if flag.dim() == 2:
+            ok = torch.isfinite(flag.cpu()).all(0)
+            first = worst = 0 if bool(ok.all()) else int((~ok).nonzero()[0, 0]) + 1
+        else:
+            first, worst = (int(v) for v in flag.tolist())
         if worst:
             self._raise_not_finite(t, first, worst)
 

@@ -265,15 +265,24 @@ def test_peers_without_collectives_check_at_once(monkeypatch, tmp_path):
         tr._check_finite(1, theta)
 
 
+@pytest.mark.parametrize("queued", [False, True])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
-def test_finite_check_names_the_first_bad_peer(bad, tmp_path):
+def test_finite_check_names_the_first_bad_peer(bad, queued, monkeypatch, tmp_path):
+    """At once (a CPU), and queued as on a GPU (each peer's smallest and largest value read
+    at the next check or the settle): the first bad peer is named, whichever kind of bad."""
+    import gossip_pfl.train as train
+
+    if queued:
+        monkeypatch.setattr(train, "QUEUE_CHECK_ON", ("cpu",))
     tr = Trainer(cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}), dataset=toy_dataset(8),
                  log=quiet)  # fmt: skip
     theta = tr.nodes[: len(tr.peers)].clone()
     tr._check_finite(0, theta)  # finite: no error
+    tr.settle()
     theta[5, 1, -1], theta[3, 0, 2] = bad, bad
     with pytest.raises(GossipError, match=r"round 1: .*\(first: peer 3 on rank 0\)"):
         tr._check_finite(0, theta)
+        tr.settle()
 
 
 class _TwoRanks:
