@@ -9,7 +9,15 @@ image files). ``ops`` counts the aten operators called from Python (each one a d
 kernel launches on a GPU); ``all ops`` adds the operators they call in turn.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_ops.py [--rounds 5] [--only synthetic]
-        [--set KEY=VALUE ...] [--json runs/bench_ops.json]
+        [--set KEY=VALUE ...] [--json runs/bench_ops.json] [--gpu-layout]
+
+``--gpu-layout`` counts, on a CPU, what a GPU's round dispatches: the dense layout (every
+peer in every step, the evaluation in wide pieces), the torch operations instead of the
+compiled loops, the GPU's forms (the plan reordered, the convolutions as products, the
+solver's fused kernel, the finite check queued), and the CUDA graphs the config asks for
+simulated (``GraphReplay(simulate=True)``), each replay counted as the one launch it would be.
+The page-locked staging of the uploads, the CUDA events and the pooling's GPU form are not
+in it (a few operations more a round).
 
 Writes the JSON (one record per workload) and prints one markdown table row per workload.
 """
@@ -26,7 +34,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import gossip_pfl.train as train
+from gossip_pfl import models
 from gossip_pfl.config import load_config
+from gossip_pfl.runtime import data, solver
+from gossip_pfl.runtime.graphs import SIMULATED_REPLAY, GraphReplay
 from gossip_pfl.runtime.threads import available_cores
 from gossip_pfl.train import Trainer
 
@@ -51,23 +63,45 @@ METADATA = {
 
 def aten_counts(fn) -> dict[str, int]:
     """aten operators ``fn()`` dispatches: called from Python (top-level), those of them that
-    compute (not a view; ``aten::to`` counted by its copy), and all, nested ones included."""
+    compute (not a view; ``aten::to`` counted by its copy), and all, nested ones included. A
+    simulated graph's replay counts as one of each (its launch), its operations as none."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
     top = compute = total = 0
     for ev in prof.events():
-        if not ev.name.startswith("aten::"):
+        replay = ev.name == SIMULATED_REPLAY
+        if not (ev.name.startswith("aten::") or replay) or _in_replay(ev):
             continue
         total += 1
         parent = ev.cpu_parent
         while parent is not None and not parent.name.startswith("aten::"):
             parent = parent.cpu_parent
-        if parent is None:
+        if replay:
+            top, compute = top + 1, compute + 1
+        elif parent is None:
             top += 1
             compute += ev.name not in METADATA
         elif ev.name == "aten::_to_copy" and parent.name == "aten::to":
             compute += 1  # a conversion that copies
     return {"top_level": top, "compute": compute, "all": total}
+
+
+def _in_replay(ev) -> bool:
+    parent = ev.cpu_parent
+    while parent is not None and parent.name != SIMULATED_REPLAY:
+        parent = parent.cpu_parent
+    return parent is not None
+
+
+def gpu_layout(trainer: Trainer) -> None:
+    """The CUDA graphs ``trainer``'s config asks for, simulated (see ``--gpu-layout``)."""
+    rt = trainer.cfg.runtime
+    if rt.cuda_graphs and trainer.forward.closed_form:
+        trainer.forward.graphs = GraphReplay(simulate=True)
+        if trainer._graphs_e_step():
+            trainer.e_step_graphs = GraphReplay(keep=4, share_pool=True, simulate=True)
+    if rt.cuda_graph_steps:
+        trainer.step_graphs = GraphReplay(keep=1024, share_pool=True, simulate=True)
 
 
 def one_round(trainer: Trainer, t: int) -> None:
@@ -76,9 +110,16 @@ def one_round(trainer: Trainer, t: int) -> None:
     trainer.communicate(t, active)
 
 
-def measure(name: str, config: Path, overrides: list[str], rounds: int) -> dict:
+def measure(name: str, config: Path, overrides: list[str], rounds: int, gpu: bool = False) -> dict:
+    if gpu:  # (this process measures nothing else after)
+        overrides = ["runtime.cpu_kernels=false", *overrides]
+        data.dense_layout = train.dense_layout = lambda device: True
+        train.QUEUE_CHECK_ON = train.REORDER_ON = ("cpu",)
+        solver.FUSED_ON = models.CONV_AS_PRODUCTS = ("cpu",)
     cfg = load_config(config, ["runtime.device=cpu", f"out=runs/bench_ops/{name}", *overrides])
     trainer = Trainer(cfg, log=lambda *a: None)
+    if gpu:
+        gpu_layout(trainer)
     one_round(trainer, 0)  # warm-up: plans, caches, first allocations
     times = []
     for t in range(1, rounds + 1):
@@ -106,6 +147,7 @@ def measure(name: str, config: Path, overrides: list[str], rounds: int) -> dict:
         "threads": torch.get_num_threads(),
         "device": str(trainer.device),
         "local_work": trainer.forward.describe(),
+        "gpu_layout": gpu,
     }
 
 
@@ -137,12 +179,15 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="config override for every workload")  # fmt: skip
     ap.add_argument("--json", type=Path, default=ROOT / "runs" / "bench_ops.json")
+    ap.add_argument("--gpu-layout", action="store_true",
+                    help="count a GPU's round on this CPU (the docstring says how)")  # fmt: skip
     args = ap.parse_args()
     records = []
     for name in args.only or list(WORKLOADS):
         config, overrides = WORKLOADS[name]
         try:
-            records.append(measure(name, config, overrides + args.set, args.rounds))
+            records.append(measure(name, config, overrides + args.set, args.rounds,
+                                   args.gpu_layout))  # fmt: skip
         except Exception as err:  # noqa: BLE001 - e.g. the image files are not installed
             print(f"# {name}: skipped ({type(err).__name__}: {str(err).splitlines()[0]})")
     rev = commit()
@@ -151,7 +196,8 @@ def main() -> None:
     args.json.write_text(
         json.dumps({"commit": rev, "machine": host, "records": records}, indent=2) + "\n"
     )
-    print(f"# commit {rev}, {host}; written to {args.json}")
+    how = ", the GPU's layout" if args.gpu_layout else ""
+    print(f"# commit {rev}, {host}{how}; written to {args.json}")
     print("| workload | peers x M | ops/round | compute ops/round | all ops/round | s/round "
           "| ops/eval | s/eval | threads |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")

@@ -209,7 +209,7 @@ class Trainer(RoundLoop):
         # Samples per batched call (0 in the config: the model's CPU hint, else no limit for
         # steps and 16384 for evaluation). On a GPU bigger calls are better, so no hint there.
         hint = getattr(model, "samples_per_call", None)
-        hint = hint(self.M) if hint is not None and self.device.type == "cpu" else 0
+        hint = hint(self.M) if hint is not None and not dense_layout(self.device) else 0
         self.step_chunk = rt.step_chunk or hint
         self.planner = BatchPlanner()  # each round's minibatch plan, drawn a round ahead
         self.uploads = Uploads(self.device)  # the plans' copies, without waiting on a GPU

@@ -1012,6 +1012,42 @@ def test_graphed_e_step_gives_the_eager_e_steps_bits(case, monkeypatch, tmp_path
     assert torch.equal(eager.personal["pi"], graphed.personal["pi"])
 
 
+@pytest.mark.parametrize("case", ["dfedem (plain SGD)", "fedem, lr schedule"])
+def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp_path):
+    """``runtime.cuda_graphs``: the binary linear model's SGD steps and FedEM's E-step as
+    graphs, simulated on the CPU in the GPU's dense layout: seven rounds (the step size cut
+    tenfold after three; the third and fourth with half the peers, whose trimmed steps run
+    eagerly) give the eager rounds' parameters and mixture weights to the bit, so the steps'
+    graph reads each round's plan, step sizes and responsibilities through its buffers."""
+    import gossip_pfl.train as train
+    from gossip_pfl.runtime import data
+    from gossip_pfl.runtime.graphs import GraphReplay, _Recorded
+
+    algorithm = {"fedem, lr schedule": {"name": "fedem", "components": 3, "lr_decay": [0.4]},
+                 **GRAPH_CASES}[case]  # fmt: skip
+    monkeypatch.setattr(data, "dense_layout", lambda device: True)
+    monkeypatch.setattr(train, "dense_layout", lambda device: True)
+    replays, replay = [], _Recorded.replay
+    monkeypatch.setattr(_Recorded, "replay", lambda self: replays.append(replay(self)))
+    out = {}
+    for graphs in (False, True):
+        tr = trainer(tmp_path / str(graphs), "auto", algorithm,
+                     cpu_kernels=False, sizes=[40, 85, 20, 59, 33, 59])  # fmt: skip
+        if graphs:
+            tr.forward.graphs = GraphReplay(simulate=True)
+            tr.e_step_graphs = GraphReplay(keep=4, share_pool=True, simulate=True)
+        rounds(tr, 2)
+        tr.cfg.participation, tr.n_active = 0.5, 3
+        rounds_from(tr, 2, 2)
+        tr.cfg.participation, tr.n_active = 1.0, 6
+        rounds_from(tr, 4, 3)
+        out[graphs] = tr
+    eager, graphed = out[False], out[True]
+    assert graphed.forward.graphs.graphs and len(replays) >= 4
+    assert torch.equal(eager.nodes, graphed.nodes)
+    assert torch.equal(eager.personal["pi"], graphed.personal["pi"])
+
+
 @pytest.mark.parametrize("forms", [(), ("cpu",)])
 @pytest.mark.parametrize("reorder", [(), ("cpu",)])
 @pytest.mark.parametrize("case", list(GRAPH_CASES))

@@ -32,6 +32,11 @@ class _HostValues(TorchDispatchMode):
         host = tuple(
             (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in leaves
         )
+        if func is torch.ops.aten.lift_fresh.default:  # a tensor made of Python numbers here
+            # (``t[i] = 1``, ``torch.tensor(x)``): its values are host values, a graph's
+            # constants; its memory this call's own
+            host += (args[0].tolist(),)
+            self.made.add(_storage(args[0]))
         read = [_storage(v) for v in leaves if isinstance(v, torch.Tensor)]
         held = tuple(p for p in read if p not in self.made)
         self.ops.append((str(func), host, held))
@@ -47,6 +52,11 @@ def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+#: the profiler's label of a simulated replay (benchmarks/bench_ops.py counts what is under
+#: it as the one launch a graph would be)
+SIMULATED_REPLAY = "gossip_pfl::simulated_graph_replay"
+
+
 class _Recorded:
     """What :class:`GraphReplay` keeps instead of a graph when it ``simulate``s one: the
     function of the first call, its buffers, and the host values and held tensors its
@@ -60,7 +70,7 @@ class _Recorded:
         self.ops = seen.ops
 
     def replay(self) -> None:
-        with _HostValues() as seen:
+        with torch.profiler.record_function(SIMULATED_REPLAY), _HostValues() as seen:
             self.fn(*self.inputs)
         if seen.ops != self.ops:
             at = next((i for i, (a, b) in enumerate(zip(seen.ops, self.ops)) if a != b),

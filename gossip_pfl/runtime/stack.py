@@ -322,8 +322,11 @@ class BatchedForward:
             plan = linear_plan(host.sizes, split, floats, ints, q)
             self._linear_sgd_steps(theta, split.augmented, plan, shared_buffer)
 
-        # a graph for the GPU layout's steps (every peer in each: views, no scatter-adds)
-        if self.graphs is not None and theta.is_cuda and min(host.sizes) == len(theta):
+        # a graph for the GPU layout's steps (every peer in each: views, no scatter-adds;
+        # simulated on a CPU in tests and benchmarks/bench_ops.py --gpu-layout)
+        graphed = self.graphs is not None and (theta.is_cuda or self.graphs.simulate)
+        if graphed and min(host.sizes) == len(theta):
+            split.device_offsets, split.neg_labels  # noqa: B018 - made before, not in, a graph
             key = (tuple(host.sizes), theta.data_ptr(), split.augmented.data_ptr(),
                    tuple(t.shape for t in inputs))  # fmt: skip
             self.graphs(key, partial(steps, shared_buffer=False), *inputs)
