@@ -979,6 +979,15 @@ def test_a_simulated_graph_keeps_what_its_first_call_read():
         replay("tensor", read, torch.ones(2))
 
 
+def seven_rounds_half_the_peers_in_two(tr: Trainer) -> Trainer:
+    """Seven rounds of ``tr`` (six peers), the third and fourth with three of them."""
+    rounds(tr, 2)
+    tr.cfg.participation, tr.n_active = 0.5, 3
+    rounds_from(tr, 2, 2)
+    tr.cfg.participation, tr.n_active = 1.0, 6
+    return rounds_from(tr, 4, 3)
+
+
 @pytest.mark.parametrize("case", ["dfedem (plain SGD)", "fedem, q smoothing"])
 def test_graphed_e_step_gives_the_eager_e_steps_bits(case, monkeypatch, tmp_path):
     """``runtime.cuda_graphs``' E-step graph (the binary linear mixture's losses, q and pi),
@@ -999,12 +1008,7 @@ def test_graphed_e_step_gives_the_eager_e_steps_bits(case, monkeypatch, tmp_path
                      sizes=[40, 85, 20, 59, 33, 59])  # fmt: skip
         assert tr.e_step_graphs is None  # (a CPU: none unless asked for, as here)
         tr.e_step_graphs = GraphReplay(simulate=True) if graphs else None
-        rounds(tr, 2)
-        tr.cfg.participation, tr.n_active = 0.5, 3
-        rounds_from(tr, 2, 2)
-        tr.cfg.participation, tr.n_active = 1.0, 6
-        rounds_from(tr, 4, 3)
-        out[graphs] = tr
+        out[graphs] = seven_rounds_half_the_peers_in_two(tr)
     eager, graphed = out[False], out[True]
     assert 1 <= len(graphed.e_step_graphs.graphs) <= 2 and len(replays) >= 2
     assert graphed.personal["pi"].data_ptr() != graphed._held["e_step_pi"].data_ptr()
@@ -1036,12 +1040,7 @@ def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp
         if graphs:
             tr.forward.graphs = GraphReplay(simulate=True)
             tr.e_step_graphs = GraphReplay(keep=4, share_pool=True, simulate=True)
-        rounds(tr, 2)
-        tr.cfg.participation, tr.n_active = 0.5, 3
-        rounds_from(tr, 2, 2)
-        tr.cfg.participation, tr.n_active = 1.0, 6
-        rounds_from(tr, 4, 3)
-        out[graphs] = tr
+        out[graphs] = seven_rounds_half_the_peers_in_two(tr)
     eager, graphed = out[False], out[True]
     assert graphed.forward.graphs.graphs and len(replays) >= 4
     assert torch.equal(eager.nodes, graphed.nodes)
