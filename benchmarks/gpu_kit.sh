@@ -189,16 +189,18 @@ case "${1:-}" in
         exit 2
         ;;
 esac
-# the device tool brings back at most 8 files from $OUT (`all` writes 11): past that, one
-# archive of them all (a call stopped before this point leaves the logs as they are)
-if [ -d "$OUT" ]; then
-    files=("$OUT"/*)
-    if [ "${#files[@]}" -gt 8 ]; then
-        tar czf /tmp/gpu_kit_out.tgz -C "$OUT" . && rm -f "${files[@]}" &&
-            mv /tmp/gpu_kit_out.tgz "$OUT/gpu_kit_out.tgz" &&
-            echo "gpu_kit: the ${#files[@]} files are in $OUT/gpu_kit_out.tgz"
-    fi
-fi
+# the device tool brings back at most 8 files from $OUT (`all` writes 11): past that, the
+# checks' logs go back as one archive (a call stopped before this point leaves them as they are)
+case "${1:-}" in
+    test | bench | all | cnn)
+        n=$(find "$OUT" -maxdepth 1 -type f | wc -l)
+        if [ "$n" -gt 8 ] && tar czf /tmp/gpu_kit_out.tgz -C "$OUT" . &&
+            mv /tmp/gpu_kit_out.tgz "$OUT/gpu_kit_out.tgz"; then
+            find "$OUT" -mindepth 1 -maxdepth 1 ! -name gpu_kit_out.tgz -exec rm -rf {} +
+            echo "gpu_kit: the $n files are in $OUT/gpu_kit_out.tgz"
+        fi
+        ;;
+esac
 # a stage's timeout (124, or 137 when killed) would read as the device call's own timeout
 if [ "$worst" -eq 124 ] || [ "$worst" -eq 137 ]; then
     echo "gpu_kit: a stage ran past its time limit (exit $worst; see its log)" >&2

@@ -962,9 +962,10 @@ class Trainer(RoundLoop):
         self._finite_pending = None
         if done:
             done[0].synchronize()  # the copy to the host, queued before the round's exchange
-        if flag.dim() == 2:
-            ok = torch.isfinite(flag.cpu()).all(0)
-            first = worst = 0 if bool(ok.all()) else int((~ok).nonzero()[0, 0]) + 1
+        if flag.dim() == 2:  # (host memory: the page-locked copy, or a CPU's own)
+            lo_hi = flag if flag.dtype in (torch.float32, torch.float64) else flag.float()
+            ok = np.isfinite(lo_hi.numpy()).all(0)
+            first = worst = 0 if ok.all() else int(np.argmin(ok)) + 1
         else:
             first, worst = (int(v) for v in flag.tolist())
         if worst:

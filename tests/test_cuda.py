@@ -124,6 +124,24 @@ def test_cnn_graphed_steps_equal_eager_steps(participation, precision, tmp_path)
     close(graphed.personal["pi"], eager.personal["pi"])
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_queued_finite_check_on_cuda_names_the_first_bad_peer(bad, tmp_path):
+    """The GPU's queued finite check: each peer's smallest and largest value copied to one
+    page-locked buffer, read at the next check or before a log: finite parameters pass, and
+    a bad peer is named by the settle that follows its round, not before."""
+    from gossip_pfl.errors import GossipError
+
+    tr = trainer(tmp_path, "auto", CASES["dfedem (fused SGD update)"], device="cuda")
+    theta = tr.nodes[: len(tr.peers)].clone()
+    tr._check_finite(0, theta)
+    tr.settle()
+    assert tr._finite_host.is_pinned() and tr._finite_host.shape == (2, len(tr.peers))
+    theta[4, 1, -1], theta[2, 0, 0] = bad, bad
+    tr._check_finite(1, theta)  # queued: read later
+    with pytest.raises(GossipError, match=r"round 2: .*\(first: peer 2 on rank 0\)"):
+        tr.settle()
+
+
 def test_phase_clock_times_the_device_without_waiting_for_it():
     """The loop's phase times on a GPU come from events on its stream: a phase's queued work
     counts to that phase once the device has run it, and marking it does not wait for it."""

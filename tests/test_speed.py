@@ -977,6 +977,14 @@ def test_a_simulated_graph_keeps_what_its_first_call_read():
     assert state["w"].data_ptr() != keep.data_ptr()
     with pytest.raises(AssertionError, match="or tensors"):
         replay("tensor", read, torch.ones(2))
+    # another part of the same memory, and a NaN constant (the same host value each call)
+    base, state["w"] = torch.arange(8.0), None
+    state["w"] = base[0:2]
+    replay("part", lambda t: out.add_(t * state["w"]).clamp_max_(float("nan")), torch.ones(2))
+    replay("part", lambda t: out.add_(t * state["w"]).clamp_max_(float("nan")), torch.ones(2))
+    state["w"] = base[4:6]
+    with pytest.raises(AssertionError, match="or tensors"):
+        replay("part", lambda t: out.add_(t * state["w"]), torch.ones(2))
 
 
 def seven_rounds_half_the_peers_in_two(tr: Trainer) -> Trainer:

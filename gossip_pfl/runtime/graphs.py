@@ -29,16 +29,17 @@ class _HostValues(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         leaves, _ = tree_flatten((args, kwargs))
-        host = tuple(
-            (tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else v for v in leaves
-        )
+        host = tuple(_host_value(v) for v in leaves)
         if func is torch.ops.aten.lift_fresh.default:  # a tensor made of Python numbers here
             # (``t[i] = 1``, ``torch.tensor(x)``): its values are host values, a graph's
-            # constants; its memory this call's own
-            host += (args[0].tolist(),)
+            # constants (as text: NaN equals NaN, -0.0 is not 0.0); its memory this call's own
+            host += (repr(args[0].tolist()),)
             self.made.add(_storage(args[0]))
-        read = [_storage(v) for v in leaves if isinstance(v, torch.Tensor)]
-        held = tuple(p for p in read if p not in self.made)
+        tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
+        read = [_storage(v) for v in tensors]
+        # where a tensor the call did not make lies: its memory, and which part of it
+        held = tuple((p, v.storage_offset(), v.stride()) for p, v in zip(read, tensors)
+                     if p not in self.made)  # fmt: skip
         self.ops.append((str(func), host, held))
         out = func(*args, **kwargs)
         # new memory only: a view or an in-place result is the tensor it read
@@ -46,6 +47,14 @@ class _HostValues(TorchDispatchMode):
         self.made.update(p for v in outs if isinstance(v, torch.Tensor)
                          if (p := _storage(v)) not in read)  # fmt: skip
         return out
+
+
+def _host_value(v):
+    """What a graph would keep of an operation's argument: a tensor's shape and type, a
+    float as text (NaN then equals NaN, and -0.0 is not 0.0), anything else as it is."""
+    if isinstance(v, torch.Tensor):
+        return tuple(v.shape), v.dtype
+    return repr(v) if isinstance(v, float) else v
 
 
 def _storage(t: torch.Tensor) -> int:
