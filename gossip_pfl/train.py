@@ -420,11 +420,20 @@ class Trainer(RoundLoop):
         else:
             self.e_step_graphs((theta.data_ptr(), tuple(theta.shape)), e_step,
                                self.personal["pi"])  # fmt: skip
-            if self.e_step_graphs.failure is not None:
-                self.log(f"runtime.cuda_graphs: the E-step could not be captured as a CUDA "
-                         f"graph ({self.e_step_graphs.failure}); it runs eagerly")  # fmt: skip
-                self.e_step_graphs = None
+            self.e_step_graphs = self._unless_failed(self.e_step_graphs, "runtime.cuda_graphs",
+                                                     "the E-step", "it runs")  # fmt: skip
         return {"pi": self._held["e_step_pi"].clone()}, self._held["e_step_q"]
+
+    def _unless_failed(
+        self, graphs: GraphReplay | None, key: str, what: str, then: str
+    ) -> GraphReplay | None:  # fmt: skip
+        """``graphs``, or None where a capture failed (said once in the log: ``what`` could
+        not be captured, ``then`` eagerly)."""
+        if graphs is None or graphs.failure is None:
+            return graphs
+        self.log(f"{key}: {what} could not be captured as a CUDA graph ({graphs.failure}); "
+                 f"{then} eagerly")  # fmt: skip
+        return None
 
     def client_messages(self, theta: torch.Tensor, act: torch.Tensor) -> dict:
         """The bundle each peer sends: its parameters, and the scalars and tensors the rule
@@ -558,10 +567,8 @@ class Trainer(RoundLoop):
 
                 extra.update(loss=loss, loss_at=loss_at, batches=self.batches_per_epoch[peers])
             self.solver.step(theta, grad, opt_state, sel, scale, factor, anchor, **extra)
-        if self.step_graphs is not None and self.step_graphs.failure is not None:
-            self.log(f"runtime.cuda_graph_steps: a step could not be captured as a CUDA "
-                     f"graph ({self.step_graphs.failure}); the steps run eagerly")  # fmt: skip
-            self.step_graphs = None
+        self.step_graphs = self._unless_failed(self.step_graphs, "runtime.cuda_graph_steps",
+                                               "a step", "the steps run")  # fmt: skip
 
     def _step_graph(self, theta, opt_state, scale, factor: float, neg_step):
         """This round's steps as CUDA graphs (``runtime.cuda_graph_steps``): a function

@@ -204,8 +204,8 @@ class BatchedForward:
             return parts[0] if out is None else out.copy_(parts[0])
         if out is None:
             out = parts[0].new_empty(*parts[0].shape[:2], self.layout.numel)
-        for place, g in zip(out.split(self.layout.sizes, -1), parts):  # (fewer dispatches
-            place.view(g.shape).copy_(g)  # than unflatten's slice and view a parameter)
+        for place, g in zip(self.layout.unflatten(out).values(), parts):
+            place.copy_(g)
         return out
 
     def forward_parameters(self, params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
