@@ -295,6 +295,7 @@ class Trainer(RoundLoop):
         self.last_loss = torch.zeros(L, dtype=torch.float64, device=self.device)
         self.steps_taken = torch.zeros(L, dtype=torch.float64, device=self.device)
         self._taken = np.zeros(L)  # steps_taken on the host: uploaded only when it changes
+        self._eta_recorded = None  # (state, factor, peers) of the last step sizes recorded
         self._everyone = torch.ones(L, dtype=torch.bool, device=self.device)
         self.participants: np.ndarray | None = None  # the round's, during begin_round
         # runtime.cuda_graphs: the binary linear mixture's E-step as a CUDA graph as well
@@ -479,7 +480,7 @@ class Trainer(RoundLoop):
             qe = q if q is None or isinstance(q, PendingEStep) else q.expand(L, self.M, -1)
             self.forward.linear_sgd_round(theta, self.train, (idx, weight, *host), neg, qe,
                                           a.batch_size)  # fmt: skip
-            self._record_plain_eta(opt_state, factor, bool(weight.any()))
+            self._record_eta(opt_state, factor, taken)
             return
         prefix = self.device.type in REORDER_ON
         plan, order = step_plan(
@@ -505,8 +506,8 @@ class Trainer(RoundLoop):
         finally:
             for put_back in reversed(undo):
                 put_back()
-        if plain:
-            self._record_plain_eta(opt_state, factor, bool(plan))
+        if self._eta_by_round:
+            self._record_eta(opt_state, factor, taken)
 
     def _plan_steps(
         self, plan, reordered, theta, q, opt_state, scale, factor, personal, plain
@@ -566,6 +567,8 @@ class Trainer(RoundLoop):
                     )
 
                 extra.update(loss=loss, loss_at=loss_at, batches=self.batches_per_epoch[peers])
+            if self._eta_by_round:
+                extra["record"] = False  # (once a round, after the steps)
             self.solver.step(theta, grad, opt_state, sel, scale, factor, anchor, **extra)
         self.step_graphs = self._unless_failed(self.step_graphs, "runtime.cuda_graph_steps",
                                                "a step", "the steps run")  # fmt: skip
@@ -588,7 +591,7 @@ class Trainer(RoundLoop):
             return None, None
         solver, train = self.solver, self.train
         # what a graph reads, by its place: a new place (another stack) is another graph
-        reads = [theta, opt_state.momentum, opt_state.eta, train.x, train.y]
+        reads = [theta, opt_state.momentum, train.x, train.y]
         anchor = self._hold("anchor", theta) if solver.prox_mu else None
         if neg_step is not None:
             neg = self._hold("neg_step", neg_step)
@@ -610,7 +613,8 @@ class Trainer(RoundLoop):
                 if neg_step is not None:
                     theta[sel].add_(neg[sel] * grad)
                 else:
-                    solver.step(theta, grad, opt_state, sel, lr_scale, lr_factor, anchor)
+                    solver.step(theta, grad, opt_state, sel, lr_scale, lr_factor, anchor,
+                                record=False)  # fmt: skip
 
             key = (st.shape, st.sel == slice(None), solver, neg_step is None, where)
             self.step_graphs(key, run, st.flat, sw)
@@ -625,12 +629,26 @@ class Trainer(RoundLoop):
             held = self._held[name] = torch.empty_like(value, device=self.device)
         return held.copy_(value)
 
-    def _record_plain_eta(self, opt_state, factor: float, stepped: bool) -> None:
-        """The step size each peer took last (FedLi's clients send it), after plain SGD."""
-        if stepped:
-            took = self.steps_taken > 0
-            eta = (self.solver.lr * factor) * self.lr_scale.double()
-            opt_state.eta.copy_(torch.where(took, eta, opt_state.eta))
+    @property
+    def _eta_by_round(self) -> bool:
+        """The round's step sizes are recorded once, after its steps (:meth:`_record_eta`):
+        the steps of :class:`LocalSGD` (plain or not) all take the round's size. A line
+        search's differ by step: it records them itself."""
+        return type(self.solver) is LocalSGD
+
+    def _record_eta(self, opt_state, factor: float, taken: np.ndarray) -> None:
+        """The step size each peer took last (FedLi's clients send it): lr x the schedule's
+        factor x the peer's multiplier, where ``taken`` (L,) says it took a step this round.
+        A round like the last one (the same state, factor and peers stepping) finds them
+        recorded: no operation. (Recorded every round, 5 operations a round on a GPU; by the
+        steps, 1 to 4 a step.)"""
+        took = taken > 0
+        key = (opt_state.eta.data_ptr(), factor, took.tobytes())
+        if key == self._eta_recorded or not took.any():
+            return
+        eta = (self.solver.lr * factor) * self.lr_scale.double()
+        opt_state.eta.copy_(torch.where(self.steps_taken > 0, eta, opt_state.eta))
+        self._eta_recorded = key
 
     def _plain_sgd(self) -> bool:
         """The local solver is plain SGD (no momentum, decay, proximal term, line search or
@@ -1036,6 +1054,7 @@ class Trainer(RoundLoop):
         self.personal = {k: v[idx].to(self.device) for k, v in state["personal"].items()}
         self.opt_state.momentum.copy_(state["momentum"][idx])
         self.opt_state.eta.copy_(state["eta"][idx])
+        self._eta_recorded = None
         saved = {k: v.to(self.device) for k, v in (state["rule_state"] or {}).items()}
         if self.route == "gossip":  # per peer, saved in peer order
             self.rule_state = {k: v[idx.to(self.device)] for k, v in saved.items()}

@@ -1120,6 +1120,25 @@ def test_step_sizes_by_peer_reach_the_solver(case, one_size, forms, monkeypatch,
     assert torch.equal(tr.opt_state.eta, tr.solver.lr * tr.lr_scale.double())
 
 
+@pytest.mark.parametrize("batching", ["auto", "vmap"])
+@pytest.mark.parametrize(
+    "case", ["dfedem (plain SGD)", "dfedem, momentum (step sizes by peer), lr schedule"]
+)
+def test_step_sizes_recorded_once_a_round_are_the_last_ones_taken(case, batching, tmp_path):
+    """A round's steps all take its size, so the trainer records the step sizes once a round
+    (none where a round is like the last): after every round, with half the peers a round
+    and the step size cut tenfold after two of four rounds, each peer's is lr x the
+    schedule's factor of the last round it took part in x its multiplier, and 0 before."""
+    tr = trainer(tmp_path, batching, GRAPH_CASES[case], sizes=[40, 85, 20, 59, 33, 59])
+    tr.cfg.rounds, tr.cfg.participation, tr.n_active = 4, 0.5, 3
+    factor = np.zeros(len(tr.peers))
+    for t in (0, 1, 1, 2, 3, 3):  # (a round again: the same factor and peers)
+        rounds_from(tr, t)
+        factor[tr.sample(t)] = 0.1 if t >= 2 and "schedule" in case else 1.0
+        want = tr.cfg.algorithm.lr * factor * tr.lr_scale.double().numpy()
+        assert np.array_equal(tr.opt_state.eta.numpy(), want), t
+
+
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
 def test_graphed_cnn_steps_give_the_eager_steps_bits(precision, monkeypatch, tmp_path):
     """The CNN's FedEM steps (gradients by parameter leaf, momentum, weight decay, the step

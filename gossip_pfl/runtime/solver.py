@@ -106,12 +106,15 @@ class LocalSGD:
         lr_factor: float | torch.Tensor = 1.0,
         anchor: torch.Tensor | None = None,
         correction: torch.Tensor | None = None,
+        record: bool = True,
         **_,
     ) -> None:
         """One in-place step on the peers ``rows`` (indices into theta's first axis, or a
         slice); ``grad`` holds their gradients in that order. ``lr_scale`` (L,) is a per-peer
         multiplier (None: 1 for every peer); ``lr_factor`` the schedule's, a number or a
-        0-dim float64 tensor (a CUDA graph's, filled every round).
+        0-dim float64 tensor (a CUDA graph's, filled every round). ``record``: write the step
+        sizes taken into ``state.eta`` (a round's steps all take the round's size: the
+        trainer records them once a round instead, 3 to 4 operations a step fewer).
 
         A slice's rows are views, updated in place; indexed rows are gathered once and copied
         back once. With a CNN's millions of parameters a peer the step is memory traffic:
@@ -127,7 +130,8 @@ class LocalSGD:
             self._fused_step(p, grad, state, rows, take, lr, anchor, correction)
             if not full:
                 theta.index_copy_(0, rows, p)
-            state.eta[rows] = lr
+            if record:
+                state.eta[rows] = lr
             return
         d = self._direction(p, grad, take, anchor, correction, fused)
         g = d
@@ -154,7 +158,8 @@ class LocalSGD:
             p.sub_(torch.mul(g, step, out=scratch))
         if not full:
             theta.index_copy_(0, rows, p)
-        state.eta[rows] = lr if lr_scale is None else lr * lr_scale[rows].double()
+        if record:
+            state.eta[rows] = lr if lr_scale is None else lr * lr_scale[rows].double()
 
     def _fused_step(self, p, grad, state, rows, take, lr, anchor, correction) -> None:
         """:meth:`step` on the rows' parameters ``p`` (views, or a gathered copy) with one step
