@@ -29,6 +29,7 @@ import json
 import statistics
 import subprocess
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -93,6 +94,44 @@ def _in_replay(ev) -> bool:
     return parent is not None
 
 
+#: the switches of a GPU's forms: (module, name, the value that turns them on for a CPU)
+GPU_FORMS = (
+    (data, "dense_layout", lambda device: True),
+    (train, "dense_layout", lambda device: True),
+    (train, "QUEUE_CHECK_ON", ("cpu",)),
+    (train, "REORDER_ON", ("cpu",)),
+    (solver, "FUSED_ON", ("cpu",)),
+    (models, "CONV_AS_PRODUCTS", ("cpu",)),
+)
+
+
+@contextmanager
+def gpu_forms():
+    """Inside: a trainer made on the CPU takes a GPU's forms (``--gpu-layout``: the dense
+    layout, the plan reordered, the fused solver, the queued finite check, the convolutions
+    as products); restored after."""
+    saved = [(module, name, getattr(module, name)) for module, name, _ in GPU_FORMS]
+    try:
+        for module, name, value in GPU_FORMS:
+            setattr(module, name, value)
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def round_ops(trainer: Trainer, gpu: bool, warm: int = 3) -> dict[str, int]:
+    """:func:`aten_counts` of round ``warm`` after ``warm`` rounds (the graphs' first
+    calls: the E-step's first round is eager, the next two are the two stacks' first);
+    ``gpu``: the trainer was made inside :func:`gpu_forms`, and its CUDA graphs are
+    simulated here first."""
+    if gpu:
+        gpu_layout(trainer)
+    for t in range(warm):
+        one_round(trainer, t)
+    return aten_counts(lambda: one_round(trainer, warm))
+
+
 def gpu_layout(trainer: Trainer) -> None:
     """The CUDA graphs ``trainer``'s config asks for, simulated (see ``--gpu-layout``)."""
     rt = trainer.cfg.runtime
@@ -111,29 +150,25 @@ def one_round(trainer: Trainer, t: int) -> None:
 
 
 def measure(name: str, config: Path, overrides: list[str], rounds: int, gpu: bool = False) -> dict:
-    if gpu:  # (this process measures nothing else after)
+    if gpu:
         overrides = ["runtime.cpu_kernels=false", *overrides]
-        data.dense_layout = train.dense_layout = lambda device: True
-        train.QUEUE_CHECK_ON = train.REORDER_ON = ("cpu",)
-        solver.FUSED_ON = models.CONV_AS_PRODUCTS = ("cpu",)
     cfg = load_config(config, ["runtime.device=cpu", f"out=runs/bench_ops/{name}", *overrides])
     if gpu and cfg.runtime.device != "cpu":
         raise SystemExit("bench_ops.py: --gpu-layout simulates a GPU on the CPU; on a GPU, "
                          "run without it")  # fmt: skip
+    with gpu_forms() if gpu else nullcontext():
+        return _measure(name, config, overrides, rounds, gpu, cfg)
+
+
+def _measure(name, config, overrides, rounds, gpu, cfg) -> dict:
     trainer = Trainer(cfg, log=lambda *a: None)
-    if gpu:
-        gpu_layout(trainer)
-    # warm-up: plans, caches, first allocations; the graphs' first calls (the E-step's first
-    # round is eager, the next two are the two stacks' first)
-    warm = 3 if gpu else 1
-    for t in range(warm):
-        one_round(trainer, t)
+    warm = 3 if gpu else 1  # warm-up: plans, caches, first allocations; the graphs' first calls
+    ops = round_ops(trainer, gpu, warm)  # (one round's: exact)
     times = []
-    for t in range(warm, warm + rounds):
+    for t in range(warm + 1, warm + 1 + rounds):
         t0 = time.perf_counter()
         one_round(trainer, t)
         times.append(time.perf_counter() - t0)
-    ops = aten_counts(lambda: one_round(trainer, warm + rounds))  # (one round's: exact)
     t0 = time.perf_counter()
     trainer.metrics_row(warm + rounds)
     eval_s = time.perf_counter() - t0
