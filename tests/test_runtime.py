@@ -898,6 +898,7 @@ def test_cuda_numerics_switch_off_tf32_and_autotuning(monkeypatch):
         torch.backends.cudnn.benchmark,
         torch.backends.cudnn.deterministic,
         torch.are_deterministic_algorithms_enabled(),
+        torch.utils.deterministic.fill_uninitialized_memory,
     )
     try:
         cfg = load_config(base={"algorithm": {"name": "fedavg"}}).runtime
@@ -905,6 +906,7 @@ def test_cuda_numerics_switch_off_tf32_and_autotuning(monkeypatch):
         assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
         assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
         assert torch.are_deterministic_algorithms_enabled()
+        assert not torch.utils.deterministic.fill_uninitialized_memory  # no NaN fill kernels
         assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
         set_cuda_numerics(True, False)
         assert torch.backends.cuda.matmul.allow_tf32 and torch.backends.cudnn.benchmark
@@ -913,3 +915,4 @@ def test_cuda_numerics_switch_off_tf32_and_autotuning(monkeypatch):
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[:2]
         torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = before[2:4]
         torch.use_deterministic_algorithms(before[4])
+        torch.utils.deterministic.fill_uninitialized_memory = before[5]
