@@ -391,15 +391,21 @@ class Trainer(RoundLoop):
     def _graphs_e_step(self) -> bool:
         """The E-step can be a CUDA graph (:meth:`_graphed_e_step`): FedEM's mixture surrogate
         (M > 1) on the binary linear model's closed form, whose E-step is a few fixed-shape
-        device operations on the round's parameters and the mixture weights alone."""
-        return (
+        device operations on the round's parameters and the mixture weights alone, over the
+        training split in one piece of every peer (a view: the pieces of a larger split, some
+        10,000 peers, write their rows by an index, which with deterministic kernels on a GPU
+        sorts them and may wait for the device)."""
+        if not (
             self.forward.closed_form
             and self.task == "binary"
             and type(self.surrogate) is MixtureSurrogate
             and self.M > 1
             and set(self.personal) == {"pi"}
             and not self.fuses_e_step  # (the CPU's compiled loops work it out themselves)
-        )
+        ):
+            return False
+        plan = self.train.chunk_plan(self.eval_chunk)
+        return len(plan) == 1 and isinstance(plan[0][1], slice)
 
     def _graphed_e_step(self, theta: torch.Tensor) -> tuple[dict, torch.Tensor]:
         """The surrogate's E-step of a round every peer takes part in (the losses, q and
@@ -695,7 +701,7 @@ class Trainer(RoundLoop):
         received = self.bundle.unpack(self._mix(self._pack(outbox), phases, keys, hook))
         theta = received["theta"]
         if self.route == "gossip" and self.rule.needs_theta:  # each peer's rule
-            act = torch.as_tensor(active[self.peers], device=self.device)
+            act = self.uploads("rule_active", active[self.peers])  # (not waiting on a GPU)
             inbox = Inbox({k: v[:L] for k, v in received.items()})
             new, state = self.rule.update(inbox, self.rule_state, self.start)
             self.rule_state = {k: _where(act, v, self.rule_state[k]) for k, v in state.items()}
@@ -738,9 +744,11 @@ class Trainer(RoundLoop):
         participants' average into the model (and tensors) the hub sends back."""
         L = len(self.peers)
         clients = {}
+        if self.rule.per_client:  # the participants' rows by their indices: no wait on a GPU
+            took = self.uploads("hub_active", np.flatnonzero(active))
         for name in self.rule.per_client:  # a gather: every rank joins it
             table = self.rows_of(self.outbox[name].double()[:, None])[:, 0]
-            clients[name] = table[torch.as_tensor(active, device=self.device)]
+            clients[name] = table.index_select(0, took)
         if self.comm.rank != 0:
             return
         mass = float(self.agg_weights[active].sum() / self.agg_weights.sum())

@@ -89,6 +89,27 @@ def test_cuda_graph_steps_equal_eager_steps(participation, sizes, tmp_path):
     torch.testing.assert_close(graphed.personal["pi"], eager.personal["pi"])
 
 
+def test_a_graph_whose_first_run_waits_for_the_device_is_not_captured():
+    """GraphReplay: a function that reads a value back (``.item()``) cannot be a graph. Its
+    first run, which does the call's work once, says so; no capture is begun, so the stream
+    and the allocator stay out of capture mode, later calls run it as it is, and another
+    GraphReplay captures and replays."""
+    from gossip_pfl.runtime.graphs import GraphReplay
+
+    x = torch.zeros(4, device="cuda")
+    bad = GraphReplay()
+    for _ in range(2):
+        bad("k", lambda t: x.add_(t * t.sum().item()), torch.ones(4, device="cuda"))
+        assert not torch.cuda.is_current_stream_capturing()
+    assert bad.failure is not None and "waits for the device" in bad.failure
+    assert x.tolist() == [8.0] * 4 and not bad.graphs  # 4 a call, once each
+    y, good = torch.zeros(4, device="cuda"), GraphReplay()
+    for v in (1.0, 2.0, 3.0):
+        good("k", lambda t: y.add_(t), torch.full((4,), v, device="cuda"))
+    assert good.failure is None and len(good.graphs) == 1
+    assert y.tolist() == [6.0] * 4
+
+
 def test_cnn_fedem_on_cuda_equals_cpu(tmp_path):
     """Two rounds of the CNN's FedEM on CUDA give the CPU's parameters and mixture weights
     to float tolerance (deterministic kernels, TF32 off)."""

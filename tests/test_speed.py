@@ -944,6 +944,46 @@ GRAPH_CASES = {
 }  # fmt: skip
 
 
+def test_the_e_step_is_a_graph_over_one_piece_of_the_split(tmp_path):
+    """In a GPU's layout FedEM's E-step on the linear model is a CUDA graph where the
+    training split is one piece of every peer (a view); not where it takes pieces that
+    write their rows by an index (a deterministic GPU sorts those, and may wait)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_ops
+
+    with bench_ops.gpu_forms():
+        tr = trainer(tmp_path, "auto", CASES["dfedem (fused SGD update)"], cpu_kernels=False)
+        assert len(tr.train.chunk_plan(tr.eval_chunk)) == 1 and tr._graphs_e_step()
+        tr.eval_chunk = 200  # (6 peers of 20 to 85 samples: a piece of each, then fewer)
+        assert len(tr.train.chunk_plan(200)) > 1 and not tr._graphs_e_step()
+
+
+def test_a_first_run_that_waits_for_the_device_is_named(monkeypatch):
+    """graphs._waits_for_device, on a CPU with PyTorch's CUDA synchronisation check stubbed:
+    a run that set off the check's warning comes back as the error that stops a capture,
+    named by where it happened; other warnings pass on, and the check's mode is restored."""
+    import warnings
+
+    from gossip_pfl.runtime import graphs
+
+    modes = ["default"]
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+
+    def run(waits: bool) -> None:
+        warnings.warn("something else", UserWarning, stacklevel=1)
+        if waits:
+            warnings.warn(graphs.SYNC_WARNING + ", but was not", UserWarning, stacklevel=1)
+
+    for waits in (False, True):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            err = graphs._waits_for_device(run, (waits,))
+        assert [str(w.message) for w in seen] == ["something else"]
+        assert (err is not None) is waits and modes[-2:] == ["warn", "default"]
+    assert "waits for the device (" in str(err) and __file__ in str(err)
+
+
 def test_a_simulated_graph_keeps_what_its_first_call_read():
     """``GraphReplay(simulate=True)``, the CPU's stand-in for a captured graph: a known key
     runs the first call's function again on its buffers, this call's inputs copied in; a

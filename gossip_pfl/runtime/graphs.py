@@ -7,6 +7,7 @@ an autograd model's local steps, a graph per step shape."""
 
 from __future__ import annotations
 
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
@@ -55,6 +56,33 @@ def _host_value(v):
     if isinstance(v, torch.Tensor):
         return tuple(v.shape), v.dtype
     return repr(v) if isinstance(v, float) else v
+
+
+def _waits_for_device(fn: Callable[..., None], inputs: tuple) -> RuntimeError | None:
+    """Run ``fn(*inputs)`` on the current CUDA stream with PyTorch's synchronisation check
+    set to warn; an error naming the first operation that waited for the device (a copy to
+    the host, ``.item()``, a copy from pageable memory), which a captured graph cannot hold,
+    or None. Other warnings pass on. (The check does not see every such operation: a
+    capture can still fail, and is ended then.)"""
+    mode = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn(*inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode(mode)
+    waits = None
+    for w in seen:
+        if waits is None and SYNC_WARNING in str(w.message):
+            waits = RuntimeError(f"an operation waits for the device ({w.filename}:{w.lineno})")
+        elif SYNC_WARNING not in str(w.message):
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+    return waits
+
+
+#: the start of PyTorch's warning for an operation that synchronises with the device
+SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -115,9 +143,10 @@ class GraphReplay:
     operations take the host values (numbers, dtypes, shapes) of the first call, and read
     the same memory where they read a tensor the call did not make.
 
-    A capture that raises (an operation a graph cannot hold, e.g. one that waits for the
-    device) sets :attr:`failure`; this call's work was done by the run before it, and every
-    later call runs ``fn`` as it is."""
+    A first run that waits for the device (PyTorch's synchronisation check sees an operation
+    a graph cannot hold: a copy to the host, ``.item()``) is not captured, and a capture that
+    raises is ended; either sets :attr:`failure`. This call's work was done by that first
+    run, and every later call runs ``fn`` as it is."""
 
     def __init__(self, keep: int = 8, share_pool: bool = False, simulate: bool = False) -> None:
         self.keep, self.share_pool, self.simulate = keep, share_pool, simulate
@@ -149,25 +178,40 @@ class GraphReplay:
             self._stream = torch.cuda.Stream()
         if self.share_pool and self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        side, graph, failed = self._stream, torch.cuda.CUDAGraph(), None
+        side, graph = self._stream, torch.cuda.CUDAGraph()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            fn(*mine)  # this call's work, and the warm-up a capture needs
-            # capture_begin / capture_end, not torch.cuda.graph: that one synchronises and
-            # empties the allocator's caches before every capture (a round's first steps
-            # capture dozens), and leaves its stream current if the capture fails
-            graph.capture_begin(pool=self._pool)
-            try:
-                fn(*mine)  # recorded, not run
-            except RuntimeError as err:  # e.g. an operation that waits for the device
-                failed = err
-            try:
-                graph.capture_end()
-            except RuntimeError as err:  # (invalidated by the failure above)
-                failed = failed or err
-        torch.cuda.current_stream().wait_stream(side)
+        try:
+            with torch.cuda.stream(side):
+                # this call's work, and the warm-up a capture needs; an operation in it that
+                # waits for the device would spoil the capture, and a spoiled capture leaves
+                # PyTorch's allocator as if capturing (its end fails before it tells the
+                # allocator): no capture then
+                failed = _waits_for_device(fn, mine)
+                if failed is None:
+                    failed = self._capture(graph, fn, mine)
+        finally:  # (an error in the warm-up: the caller's next work waits for what it queued)
+            torch.cuda.current_stream().wait_stream(side)
         if failed is not None:
             self.failure = str(failed).splitlines()[0] if str(failed) else type(failed).__name__
             self.graphs.clear()
             return
         self.graphs[key] = (graph, mine)
+
+    def _capture(self, graph, fn: Callable[..., None], inputs: tuple) -> BaseException | None:
+        """Record ``fn(*inputs)`` into ``graph``; the error that spoiled it, if any. The
+        capture is ended whatever ``fn`` raises (the stream and the allocator leave capture
+        mode), and what is not a failure to capture (an interrupt) is raised after.
+        capture_begin / capture_end, not torch.cuda.graph: that one synchronises and empties
+        the allocator's caches before every capture (a round's first steps capture dozens)."""
+        failed = None
+        graph.capture_begin(pool=self._pool)
+        try:
+            fn(*inputs)  # recorded, not run
+        except Exception as err:  # noqa: BLE001 - e.g. an operation a graph cannot hold
+            failed = err
+        finally:
+            try:
+                graph.capture_end()
+            except RuntimeError as err:  # (invalidated by the failure above)
+                failed = failed or err
+        return failed
