@@ -646,8 +646,8 @@ class Trainer(RoundLoop):
         """The step size each peer took last (FedLi's clients send it): lr x the schedule's
         factor x the peer's multiplier, where ``taken`` (L,) says it took a step this round.
         A round like the last one (the same state, factor and peers stepping) finds them
-        recorded: no operation. (Recorded every round, 5 operations a round on a GPU; by the
-        steps, 1 to 4 a step.)"""
+        recorded: no operation. (It took 5 operations every round after plain SGD's fused
+        round, and 1 to 4 a step after the solver's steps.)"""
         took = taken > 0
         key = (opt_state.eta.data_ptr(), factor, took.tobytes())
         if key == self._eta_recorded or not took.any():

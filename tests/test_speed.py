@@ -944,13 +944,19 @@ GRAPH_CASES = {
 }  # fmt: skip
 
 
+def _bench_ops():
+    """benchmarks/bench_ops.py: its count of operations and its switch to a GPU's forms."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_ops
+
+    return bench_ops
+
+
 def test_the_e_step_is_a_graph_over_one_piece_of_the_split(tmp_path):
     """In a GPU's layout FedEM's E-step on the linear model is a CUDA graph where the
     training split is one piece of every peer (a view); not where it takes pieces that
     write their rows by an index (a deterministic GPU sorts those, and may wait)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import bench_ops
-
+    bench_ops = _bench_ops()
     with bench_ops.gpu_forms():
         tr = trainer(tmp_path, "auto", CASES["dfedem (fused SGD update)"], cpu_kernels=False)
         assert len(tr.train.chunk_plan(tr.eval_chunk)) == 1 and tr._graphs_e_step()
@@ -1170,9 +1176,7 @@ def test_a_rounds_operations_do_not_grow_with_its_peers(gpu, tmp_path):
     steps a round) as for 40 (24 steps): the round's steps are batched, and within the
     issue's budget of 200 (from about 1,800). Without the graphs, a GPU's eager round took
     111 and 213."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    import bench_ops
-
+    bench_ops = _bench_ops()
     counts = []
     for sizes in ([20 + 13 * i for i in range(8)], [20 + 9 * i for i in range(40)]):
         with bench_ops.gpu_forms() if gpu else nullcontext():
@@ -1198,8 +1202,8 @@ def test_step_sizes_recorded_once_a_round_are_the_last_ones_taken(case, batching
     for t in (0, 1, 1, 2, 3, 3):  # (a round again: the same factor and peers)
         rounds_from(tr, t)
         factor[tr.sample(t)] = 0.1 if t >= 2 and "schedule" in case else 1.0
-        want = tr.cfg.algorithm.lr * factor * tr.lr_scale.double().numpy()
-        assert np.array_equal(tr.opt_state.eta.numpy(), want), t
+        want = tr.cfg.algorithm.lr * factor * tr.lr_scale.double().cpu().numpy()
+        assert np.array_equal(tr.opt_state.eta.cpu().numpy(), want), t
 
 
 @pytest.mark.parametrize("precision", ["float32", "bf16"])

@@ -114,7 +114,7 @@ class LocalSGD:
         multiplier (None: 1 for every peer); ``lr_factor`` the schedule's, a number or a
         0-dim float64 tensor (a CUDA graph's, filled every round). ``record``: write the step
         sizes taken into ``state.eta`` (a round's steps all take the round's size: the
-        trainer records them once a round instead, 3 to 4 operations a step fewer).
+        trainer records them once a round instead, 1 to 4 operations a step fewer).
 
         A slice's rows are views, updated in place; indexed rows are gathered once and copied
         back once. With a CNN's millions of parameters a peer the step is memory traffic:
