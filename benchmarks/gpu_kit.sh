@@ -100,8 +100,8 @@ stage() {
 
 # bench SYNTHETIC_S OPS_S PROFILE_S CNN_S MAX_PEERS CNN_MODES BASE_S [STEP_GRAPHS]: 200
 # synthetic rounds on the GPU (this tree without CUDA graphs once, then with them twice,
-# alternating with the $BASE tree; then the anchor), operations per round, a profile of a
-# round (both ways), the planner's host work, the CNN (with a profile of a round, the most
+# alternating with the $BASE tree; then the anchor), operations per round, each operation's
+# first call in a fresh process and a profile of a round (both ways), the planner's host work, the CNN (with a profile of a round, the most
 # clients up to MAX_PEERS, 0: none, and each mode with its steps eager and as CUDA graphs
 # where STEP_GRAPHS is off,on), the CNN on the $BASE tree
 bench() {
@@ -126,7 +126,10 @@ bench() {
     # its JSON into its log: the device tool returns at most 8 files
     stage ops "$2" bash -c '$PY benchmarks/bench_ops.py --rounds 5 --set runtime.device=$DEV \
         --json /tmp/bench_ops.json && cat /tmp/bench_ops.json'
-    stage profile "$3" bash -c '$PY benchmarks/gpu_profile.py --set runtime.cuda_graphs=false &&
+    # each operation's first call in a fresh process (a fresh run's one-time costs), then
+    # a round's phases and profile, without the CUDA graphs and with them
+    stage profile "$3" bash -c '$PY benchmarks/gpu_first_use.py &&
+        $PY benchmarks/gpu_profile.py --set runtime.cuda_graphs=false &&
         $PY benchmarks/gpu_profile.py'
     # the planner's host work and the round's thread's stalls, on a machine of many cores
     stage planner 25 $PY benchmarks/bench_planner.py --repeats 15
@@ -152,7 +155,7 @@ case "${1:-}" in
         # pyproject's --maxprocesses 4 (for 2-core CI machines) would cap -n
         stage tests 500 $PY -m pytest -n 8 --maxprocesses 8 -rs
         ;;
-    bench) install; bench 170 60 80 240 3200 float32,tf32,bf16 60 off,on ;;
+    bench) install; bench 170 60 95 240 3200 float32,tf32,bf16 60 off,on ;;
     all)
         install
         # under the device tool's 10-minute call; the H100 lease's stages took: the suite
@@ -166,7 +169,7 @@ case "${1:-}" in
         stage solver 30 $PY benchmarks/bench_solver.py --device $DEV --iters 10 --no-compile
         # the conv forms' training step, and their forward alone at an E-step call's size
         stage conv 60 $PY benchmarks/bench_conv.py --device $DEV --iters 10 --no-profile
-        bench 150 35 40 200 0 float32,bf16 60 off,on
+        bench 150 35 55 200 0 float32,bf16 60 off,on
         ;;
     cnn)
         # the CNN's two forms of the convolutions side by side, for a short lease: the CUDA
