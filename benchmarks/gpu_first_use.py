@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 import torch
+from bench_ops import one_round  # (run from benchmarks/: its folder is on the path)
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -55,12 +56,6 @@ class FirstCalls(TorchDispatchMode):
         self.sync()
         self.first[key] = (time.perf_counter() - t0, self.where)
         return out
-
-
-def one_round(tr: Trainer, t: int) -> None:
-    active = tr.sample(t)
-    tr.local_work(t, active)
-    tr.communicate(t, active)
 
 
 def main() -> None:

@@ -100,10 +100,11 @@ stage() {
 
 # bench SYNTHETIC_S OPS_S PROFILE_S CNN_S MAX_PEERS CNN_MODES BASE_S [STEP_GRAPHS]: 200
 # synthetic rounds on the GPU (this tree without CUDA graphs once, then with them twice,
-# alternating with the $BASE tree; then the anchor), operations per round, each operation's
-# first call in a fresh process and a profile of a round (both ways), the planner's host work, the CNN (with a profile of a round, the most
-# clients up to MAX_PEERS, 0: none, and each mode with its steps eager and as CUDA graphs
-# where STEP_GRAPHS is off,on), the CNN on the $BASE tree
+# alternating with the $BASE tree; then the anchor), operations per round, each
+# operation's first call in a fresh process, a profile of a round (both ways), the
+# planner's host work, the CNN (with a profile of a round, the most clients up to
+# MAX_PEERS, 0: none, and each mode with its steps eager and as CUDA graphs where
+# STEP_GRAPHS is off,on), the CNN on the $BASE tree
 bench() {
     export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
     # a failed run shows its last lines, the others still run, and the stage then fails
@@ -128,9 +129,9 @@ bench() {
         --json /tmp/bench_ops.json && cat /tmp/bench_ops.json'
     # each operation's first call in a fresh process (a fresh run's one-time costs), then
     # a round's phases and profile, without the CUDA graphs and with them
-    stage profile "$3" bash -c '$PY benchmarks/gpu_first_use.py &&
+    stage profile "$3" bash -c '$PY benchmarks/gpu_first_use.py; first=$?
         $PY benchmarks/gpu_profile.py --set runtime.cuda_graphs=false &&
-        $PY benchmarks/gpu_profile.py'
+        $PY benchmarks/gpu_profile.py && exit $first'
     # the planner's host work and the round's thread's stalls, on a machine of many cores
     stage planner 25 $PY benchmarks/bench_planner.py --repeats 15
     stage cnn "$4" $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --max-peers "$5" \

@@ -295,7 +295,7 @@ class Trainer(RoundLoop):
         self.last_loss = torch.zeros(L, dtype=torch.float64, device=self.device)
         self.steps_taken = torch.zeros(L, dtype=torch.float64, device=self.device)
         self._taken = np.zeros(L)  # steps_taken on the host: uploaded only when it changes
-        self._eta_recorded = None  # (state, factor, peers) of the last step sizes recorded
+        self._eta_recorded = None  # (factor, peers) of opt_state's last step sizes recorded
         self._everyone = torch.ones(L, dtype=torch.bool, device=self.device)
         self.participants: np.ndarray | None = None  # the round's, during begin_round
         # runtime.cuda_graphs: the binary linear mixture's E-step as a CUDA graph as well
@@ -645,12 +645,11 @@ class Trainer(RoundLoop):
     def _record_eta(self, opt_state, factor: float, taken: np.ndarray) -> None:
         """The step size each peer took last (FedLi's clients send it): lr x the schedule's
         factor x the peer's multiplier, where ``taken`` (L,) says it took a step this round.
-        A round like the last one (the same state, factor and peers stepping) finds them
-        recorded: no operation. (It took 5 operations every round after plain SGD's fused
-        round, and 1 to 4 a step after the solver's steps.)"""
+        A round of the run's state like its last one (the same factor and peers stepping)
+        finds them recorded: no operation."""
         took = taken > 0
-        key = (opt_state.eta.data_ptr(), factor, took.tobytes())
-        if key == self._eta_recorded or not took.any():
+        key = (factor, took.tobytes()) if opt_state is self.opt_state else None
+        if (key is not None and key == self._eta_recorded) or not took.any():
             return
         eta = (self.solver.lr * factor) * self.lr_scale.double()
         opt_state.eta.copy_(torch.where(self.steps_taken > 0, eta, opt_state.eta))
@@ -745,10 +744,10 @@ class Trainer(RoundLoop):
         L = len(self.peers)
         clients = {}
         if self.rule.per_client:  # the participants' rows by their indices: no wait on a GPU
-            took = self.uploads("hub_active", np.flatnonzero(active))
+            at = self.uploads("hub_active", np.flatnonzero(active))
         for name in self.rule.per_client:  # a gather: every rank joins it
             table = self.rows_of(self.outbox[name].double()[:, None])[:, 0]
-            clients[name] = table.index_select(0, took)
+            clients[name] = table.index_select(0, at)
         if self.comm.rank != 0:
             return
         mass = float(self.agg_weights[active].sum() / self.agg_weights.sum())

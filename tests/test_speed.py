@@ -944,19 +944,20 @@ GRAPH_CASES = {
 }  # fmt: skip
 
 
-def _bench_ops():
-    """benchmarks/bench_ops.py: its count of operations and its switch to a GPU's forms."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+def _bench_ops(monkeypatch):
+    """benchmarks/bench_ops.py: its count of operations and its switch to a GPU's forms
+    (importable from benchmarks/ for this test only)."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import bench_ops
 
     return bench_ops
 
 
-def test_the_e_step_is_a_graph_over_one_piece_of_the_split(tmp_path):
+def test_the_e_step_is_a_graph_over_one_piece_of_the_split(monkeypatch, tmp_path):
     """In a GPU's layout FedEM's E-step on the linear model is a CUDA graph where the
     training split is one piece of every peer (a view); not where it takes pieces that
     write their rows by an index (a deterministic GPU sorts those, and may wait)."""
-    bench_ops = _bench_ops()
+    bench_ops = _bench_ops(monkeypatch)
     with bench_ops.gpu_forms():
         tr = trainer(tmp_path, "auto", CASES["dfedem (fused SGD update)"], cpu_kernels=False)
         assert len(tr.train.chunk_plan(tr.eval_chunk)) == 1 and tr._graphs_e_step()
@@ -967,26 +968,31 @@ def test_the_e_step_is_a_graph_over_one_piece_of_the_split(tmp_path):
 def test_a_first_run_that_waits_for_the_device_is_named(monkeypatch):
     """graphs._waits_for_device, on a CPU with PyTorch's CUDA synchronisation check stubbed:
     a run that set off the check's warning comes back as the error that stops a capture,
-    named by where it happened; other warnings pass on, and the check's mode is restored."""
+    named by where it happened; other warnings are shown as the filters say (once here, an
+    ignored one not at all), the check's own only where the process had it on, and the
+    check's mode is restored."""
     import warnings
 
     from gossip_pfl.runtime import graphs
 
-    modes = ["default"]
+    modes = [0]
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: modes[-1])
     monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
 
     def run(waits: bool) -> None:
         warnings.warn("something else", UserWarning, stacklevel=1)
+        warnings.warn("ignored", UserWarning, stacklevel=1)
         if waits:
             warnings.warn(graphs.SYNC_WARNING + ", but was not", UserWarning, stacklevel=1)
 
-    for waits in (False, True):
+    for before, waits, shown in ((0, False, 1), (0, True, 1), (1, True, 2)):
+        modes.append(before)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
+            warnings.filterwarnings("ignore", message="ignored")
             err = graphs._waits_for_device(run, (waits,))
-        assert [str(w.message) for w in seen] == ["something else"]
-        assert (err is not None) is waits and modes[-2:] == ["warn", "default"]
+        assert [str(w.message) for w in seen][:1] == ["something else"] and len(seen) == shown
+        assert (err is not None) is waits and modes[-2:] == ["warn", before]
     assert "waits for the device (" in str(err) and __file__ in str(err)
 
 
@@ -1169,14 +1175,15 @@ def test_step_sizes_by_peer_reach_the_solver(case, one_size, forms, monkeypatch,
 
 
 @pytest.mark.parametrize("gpu", [False, True], ids=["cpu", "gpu layout"])
-def test_a_rounds_operations_do_not_grow_with_its_peers(gpu, tmp_path):
+def test_a_rounds_operations_do_not_grow_with_its_peers(gpu, monkeypatch, tmp_path):
     """The figure CI tracks (``benchmarks/bench_ops.py``): the aten operations a D-FedEM
     round on the linear model dispatches, with the CPU's compiled loops and in a GPU's
     layout (its CUDA graphs simulated, a replay one launch), are as many for 8 peers (7
     steps a round) as for 40 (24 steps): the round's steps are batched, and within the
     issue's budget of 200 (from about 1,800). Without the graphs, a GPU's eager round took
-    111 and 213."""
-    bench_ops = _bench_ops()
+    111 and 213. The bound is the count at this test's commit (34 and 25): an operation more
+    a round is a change to say in docs/benchmarks.md, with the new bound."""
+    bench_ops = _bench_ops(monkeypatch)
     counts = []
     for sizes in ([20 + 13 * i for i in range(8)], [20 + 9 * i for i in range(40)]):
         with bench_ops.gpu_forms() if gpu else nullcontext():
@@ -1184,20 +1191,28 @@ def test_a_rounds_operations_do_not_grow_with_its_peers(gpu, tmp_path):
                          sizes=sizes, cpu_kernels=not gpu)  # fmt: skip
             counts.append(bench_ops.round_ops(tr, gpu)["top_level"])
         assert tr.forward.kernels is not gpu and (tr.forward.graphs is not None) is gpu
-    assert counts[0] == counts[1] <= 200, counts
+    assert counts[0] == counts[1] <= ROUND_OPS[gpu] <= 200, counts
+
+
+#: the operations of a D-FedEM round on the linear model (bench_ops' count): the CPU's
+#: compiled loops, and a GPU's layout (test_a_rounds_operations_do_not_grow_with_its_peers)
+ROUND_OPS = {False: 34, True: 25}
 
 
 @pytest.mark.parametrize("batching", ["auto", "vmap"])
 @pytest.mark.parametrize(
     "case", ["dfedem (plain SGD)", "dfedem, momentum (step sizes by peer), lr schedule"]
 )
-def test_step_sizes_recorded_once_a_round_are_the_last_ones_taken(case, batching, tmp_path):
+@pytest.mark.parametrize("participants", [3, 6])
+def test_step_sizes_recorded_once_a_round_are_the_last_ones_taken(
+    case, batching, participants, tmp_path
+):
     """A round's steps all take its size, so the trainer records the step sizes once a round
-    (none where a round is like the last): after every round, with half the peers a round
+    (none where a round is like the last): after every round, with 3 or all 6 peers a round
     and the step size cut tenfold after two of four rounds, each peer's is lr x the
     schedule's factor of the last round it took part in x its multiplier, and 0 before."""
     tr = trainer(tmp_path, batching, GRAPH_CASES[case], sizes=[40, 85, 20, 59, 33, 59])
-    tr.cfg.rounds, tr.cfg.participation, tr.n_active = 4, 0.5, 3
+    tr.cfg.rounds, tr.cfg.participation, tr.n_active = 4, participants / 6, participants
     factor = np.zeros(len(tr.peers))
     for t in (0, 1, 1, 2, 3, 3):  # (a round again: the same factor and peers)
         rounds_from(tr, t)

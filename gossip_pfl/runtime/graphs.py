@@ -58,15 +58,22 @@ def _host_value(v):
     return repr(v) if isinstance(v, float) else v
 
 
+#: the start of PyTorch's warning for an operation that synchronises with the device
+SYNC_WARNING = "called a synchronizing CUDA operation"
+
+
 def _waits_for_device(fn: Callable[..., None], inputs: tuple) -> RuntimeError | None:
     """Run ``fn(*inputs)`` on the current CUDA stream with PyTorch's synchronisation check
-    set to warn; an error naming the first operation that waited for the device (a copy to
-    the host, ``.item()``, a copy from pageable memory), which a captured graph cannot hold,
-    or None. Other warnings pass on. (The check does not see every such operation: a
-    capture can still fail, and is ended then.)"""
+    set to warn; an error naming the first operation that waited for the device (a blocking
+    copy to or from the host, ``.item()``, a stream's synchronisation), which a captured graph
+    cannot hold, or None. The check does not see everything a capture refuses (a
+    non-blocking copy from pageable memory, an event's wait): a capture can still fail.
+    Other warnings are shown as they would have been (the filters still apply to them); the
+    check's own are shown too where the process had it on. (Warnings are process-wide: one
+    from another thread meanwhile counts too.)"""
     mode = torch.cuda.get_sync_debug_mode()
     with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
+        warnings.filterwarnings("always", message=SYNC_WARNING)
         torch.cuda.set_sync_debug_mode("warn")
         try:
             fn(*inputs)
@@ -74,15 +81,12 @@ def _waits_for_device(fn: Callable[..., None], inputs: tuple) -> RuntimeError | 
             torch.cuda.set_sync_debug_mode(mode)
     waits = None
     for w in seen:
-        if waits is None and SYNC_WARNING in str(w.message):
+        sync = str(w.message).startswith(SYNC_WARNING)
+        if sync and waits is None:
             waits = RuntimeError(f"an operation waits for the device ({w.filename}:{w.lineno})")
-        elif SYNC_WARNING not in str(w.message):
-            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        if not sync or mode:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno)
     return waits
-
-
-#: the start of PyTorch's warning for an operation that synchronises with the device
-SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 def _storage(t: torch.Tensor) -> int:
@@ -197,12 +201,15 @@ class GraphReplay:
             return
         self.graphs[key] = (graph, mine)
 
-    def _capture(self, graph, fn: Callable[..., None], inputs: tuple) -> BaseException | None:
+    def _capture(
+        self, graph: torch.cuda.CUDAGraph, fn: Callable[..., None], inputs: tuple
+    ) -> Exception | None:
         """Record ``fn(*inputs)`` into ``graph``; the error that spoiled it, if any. The
-        capture is ended whatever ``fn`` raises (the stream and the allocator leave capture
-        mode), and what is not a failure to capture (an interrupt) is raised after.
-        capture_begin / capture_end, not torch.cuda.graph: that one synchronises and empties
-        the allocator's caches before every capture (a round's first steps capture dozens)."""
+        capture is ended whatever ``fn`` raises, so the stream leaves capture mode (PyTorch's
+        allocator does not where the end itself fails: its check comes first), and what is
+        not a failure to capture (an interrupt) is raised after. capture_begin / capture_end,
+        not torch.cuda.graph: that one synchronises and empties the allocator's caches before
+        every capture (a round's first steps capture dozens)."""
         failed = None
         graph.capture_begin(pool=self._pool)
         try:
