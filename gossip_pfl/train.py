@@ -502,8 +502,9 @@ class Trainer(RoundLoop):
                 back = torch.argsort(order)
                 theta.copy_(theta[order])
                 undo.append(lambda: theta.copy_(theta[back]))
-                self.solver.permute_rows(opt_state, order)
-                undo.append(lambda: self.solver.permute_rows(opt_state, back))
+                eta = not self._eta_by_round  # (else recorded after the steps, in peer order)
+                self.solver.permute_rows(opt_state, order, eta)
+                undo.append(lambda: self.solver.permute_rows(opt_state, back, eta))
             self._plan_steps(plan, order is not None, theta, q, opt_state, scale, factor,
                              personal, plain)  # fmt: skip
         except BaseException as err:

@@ -60,13 +60,15 @@ class LocalSGD:
     def begin_round(self, state: SGDState) -> None:
         pass
 
-    def permute_rows(self, state: SGDState, order: torch.Tensor) -> None:
+    def permute_rows(self, state: SGDState, order: torch.Tensor, eta: bool = True) -> None:
         """Put the peers' state in ``order`` in place (row i takes row ``order[i]``'s), as
         the trainer does the stack for a reordered plan (:func:`gossip_pfl.runtime.data.
-        step_plan`'s ``prefix``); the momentum only where a step reads it."""
+        step_plan`'s ``prefix``); the momentum only where a step reads it, the step sizes
+        only with ``eta`` (steps with ``record=False`` leave them alone)."""
         if self.momentum:
             state.momentum.copy_(state.momentum[order])
-        state.eta.copy_(state.eta[order])
+        if eta:
+            state.eta.copy_(state.eta[order])
 
     @property
     def plain(self) -> bool:
