@@ -39,7 +39,7 @@ import gossip_pfl.train as train
 from gossip_pfl import models
 from gossip_pfl.config import load_config
 from gossip_pfl.runtime import data, solver
-from gossip_pfl.runtime.graphs import SIMULATED_REPLAY, GraphReplay
+from gossip_pfl.runtime.graphs import SIMULATED_REPLAY
 from gossip_pfl.runtime.threads import available_cores
 from gossip_pfl.train import Trainer
 
@@ -126,21 +126,10 @@ def round_ops(trainer: Trainer, gpu: bool, warm: int = 3) -> dict[str, int]:
     ``gpu``: the trainer was made inside :func:`gpu_forms`, and its CUDA graphs are
     simulated here first."""
     if gpu:
-        gpu_layout(trainer)
+        trainer.use_cuda_graphs(simulate=True)
     for t in range(warm):
         one_round(trainer, t)
     return aten_counts(lambda: one_round(trainer, warm))
-
-
-def gpu_layout(trainer: Trainer) -> None:
-    """The CUDA graphs ``trainer``'s config asks for, simulated (see ``--gpu-layout``)."""
-    rt = trainer.cfg.runtime
-    if rt.cuda_graphs and trainer.forward.closed_form:
-        trainer.forward.graphs = GraphReplay(simulate=True)
-        if trainer._graphs_e_step():
-            trainer.e_step_graphs = GraphReplay(keep=4, share_pool=True, simulate=True)
-    if rt.cuda_graph_steps:
-        trainer.step_graphs = GraphReplay(keep=1024, share_pool=True, simulate=True)
 
 
 def one_round(trainer: Trainer, t: int) -> None:

@@ -196,14 +196,7 @@ class Trainer(RoundLoop):
         model = model_fn().to(self.device)
         self.layout = ParamLayout(model)
         kernels = rt.cpu_kernels and self.device.type == "cpu"
-        graphs = rt.cuda_graphs and self.device.type == "cuda"
-        self.forward = BatchedForward(model, self.layout, rt.batching, rt.precision, kernels,
-                                      graphs)  # fmt: skip
-        # runtime.cuda_graph_steps: the local steps as CUDA graphs, one per step shape (a
-        # round's dozens of shapes in one memory pool; _step_graph)
-        self.step_graphs = None
-        if rt.cuda_graph_steps and self.device.type == "cuda":
-            self.step_graphs = GraphReplay(keep=1024, share_pool=True)
+        self.forward = BatchedForward(model, self.layout, rt.batching, rt.precision, kernels)
         self._held: dict[str, torch.Tensor] = {}  # what the graphs read, held across rounds
         self.task = task
         # Samples per batched call (0 in the config: the model's CPU hint, else no limit for
@@ -298,12 +291,9 @@ class Trainer(RoundLoop):
         self._eta_recorded = None  # (factor, peers) of opt_state's last step sizes recorded
         self._everyone = torch.ones(L, dtype=torch.bool, device=self.device)
         self.participants: np.ndarray | None = None  # the round's, during begin_round
-        # runtime.cuda_graphs: the binary linear mixture's E-step as a CUDA graph as well
-        # (about 20 launches a round; _graphed_e_step)
-        self.e_step_graphs = None
-        if self.forward.graphs is not None and self._graphs_e_step():
-            # (each graph reads its input and held tensors and writes held ones: one pool)
-            self.e_step_graphs = GraphReplay(keep=4, share_pool=True)
+        self.e_step_graphs = self.step_graphs = None
+        if self.device.type == "cuda":
+            self.use_cuda_graphs()
         self.track_loss = "loss" in self.rule.scalars
         self.line_search = isinstance(self.solver, LocalArmijo)
         # the line search's grow reset: 2^(1 / batches per epoch)
@@ -387,6 +377,21 @@ class Trainer(RoundLoop):
         self.personal = personal
         self._check_finite(t, theta)
         self.outbox = self.client_messages(theta, act)
+
+    def use_cuda_graphs(self, simulate: bool = False) -> None:
+        """The CUDA graphs the config asks for: ``runtime.cuda_graphs``, the linear model's
+        steps and FedEM's E-step on it (about 20 launches a round, :meth:`_graphed_e_step`);
+        ``runtime.cuda_graph_steps``, other models' local steps, a graph per step shape (a
+        round's dozens of shapes, :meth:`_step_graph`). ``simulate``: on a CPU (tests,
+        ``benchmarks/bench_ops.py --gpu-layout``)."""
+        rt = self.cfg.runtime
+        if rt.cuda_graphs and self.forward.closed_form:
+            self.forward.graphs = GraphReplay(simulate=simulate)
+            if self._graphs_e_step():
+                # (each graph reads its input and held tensors, writes held ones: one pool)
+                self.e_step_graphs = GraphReplay(keep=4, share_pool=True, simulate=simulate)
+        if rt.cuda_graph_steps:
+            self.step_graphs = GraphReplay(keep=1024, share_pool=True, simulate=simulate)
 
     def _graphs_e_step(self) -> bool:
         """The E-step can be a CUDA graph (:meth:`_graphed_e_step`): FedEM's mixture surrogate

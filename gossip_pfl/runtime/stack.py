@@ -89,7 +89,7 @@ class BatchedForward:
 
     def __init__(
         self, model: nn.Module, layout: ParamLayout, batching: str = "auto",
-        precision: str = "float32", cpu_kernels: bool = False, cuda_graphs: bool = False,
+        precision: str = "float32", cpu_kernels: bool = False,
     ):  # fmt: skip
         if batching not in ("auto", "vmap", "loop"):
             raise GossipError(f"runtime.batching must be auto, vmap or loop (got {batching!r})")
@@ -102,8 +102,9 @@ class BatchedForward:
         self.closed_form = batching == "auto" and type(model) is Linear and precision == "float32"
         # on a CPU, the closed form's round, losses and scores as compiled loops (kernels.py)
         self.kernels = self.closed_form and cpu_kernels
-        # on a GPU, the closed form's steps as one CUDA graph (runtime/graphs.py)
-        self.graphs = GraphReplay() if self.closed_form and cuda_graphs else None
+        # on a GPU, the closed form's steps as one CUDA graph (runtime/graphs.py; the
+        # trainer's runtime.cuda_graphs sets it)
+        self.graphs: GraphReplay | None = None
         self._uploads: Uploads | None = None  # the fused round's uploads (linear_sgd_round)
         if self.kernels:
             try:  # numba loads only for these
