@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
 from dataclasses import replace
@@ -1017,19 +1018,33 @@ def test_a_first_run_that_waits_for_the_device_is_named(monkeypatch):
     assert "waits for the device (" in str(err) and __file__ in str(err)
 
 
-def test_a_simulated_graph_keeps_what_its_first_call_read():
+def test_a_simulated_graph_reads_what_its_first_call_read():
     """``GraphReplay(simulate=True)``, the CPU's stand-in for a captured graph: a known key
-    runs the first call's function again on its buffers, this call's inputs copied in; a
-    value the function took from its closure stays the first call's, as in a graph, and one
-    it reads afresh is an error: a number, or a tensor made anew."""
+    runs this call's function on the first call's buffers, this call's inputs copied in, and
+    checks that it reads what a graph would: a number, or a tensor made anew, that differs
+    from the first call's is an error, and so is a tensor freed since (a graph does not keep
+    its function's closure alive)."""
     from gossip_pfl.runtime.graphs import GraphReplay
 
     replay, out = GraphReplay(simulate=True), torch.zeros(2)
-    for k, x in ((1.0, 1.0), (2.0, 3.0)):
-        replay("key", lambda t, k=k: out.add_(t * k), torch.full((2,), x))
-    assert out.tolist() == [4.0, 4.0]  # 1 * 1, then 1 (not 2) * 3
+    for x in (1.0, 3.0):
+        replay("key", lambda t: out.add_(t * 2), torch.full((2,), x))
+    assert out.tolist() == [8.0, 8.0]  # 2 * 1, then 2 * 3 (copied into the buffer)
     replay("other", lambda t: out.add_(t * 2), torch.ones(2))
-    assert out.tolist() == [6.0, 6.0] and len(replay.graphs) == 2
+    assert out.tolist() == [10.0, 10.0] and len(replay.graphs) == 2
+    # a number each call's closure holds (a graph would keep the first's)
+    with pytest.raises(AssertionError, match="other host values"):
+        replay("key", lambda t: out.add_(t * 3), torch.ones(2))
+    # a tensor made anew for each call's closure: the graph reads the first one's memory,
+    # freed with the first call's function (whether or not the new one took its address)
+
+    def made_anew() -> Callable[[torch.Tensor], None]:
+        w = torch.full((2,), 2.0)
+        return lambda t: out.add_(t * w)
+
+    replay("closure", made_anew(), torch.ones(2))
+    with pytest.raises(AssertionError, match="freed memory"):
+        replay("closure", made_anew(), torch.ones(2))
     # a value read afresh at each call (here a dict's), which a graph would have kept: the
     # replay's operations take other host values than the first call's
     step = {"size": 1.0}
@@ -1084,7 +1099,7 @@ def test_graphed_e_step_gives_the_eager_e_steps_bits(case, monkeypatch, tmp_path
     algorithm = {"fedem, q smoothing": {"name": "fedem", "components": 2, "q_smoothing": 0.1},
                  **GRAPH_CASES}[case]  # fmt: skip
     replays, replay = [], _Recorded.replay
-    monkeypatch.setattr(_Recorded, "replay", lambda self: replays.append(replay(self)))
+    monkeypatch.setattr(_Recorded, "replay", lambda self, fn: replays.append(replay(self, fn)))
     out = {}
     for graphs in (False, True):
         tr = trainer(tmp_path / str(graphs), "auto", algorithm, cpu_kernels=False,
@@ -1115,7 +1130,7 @@ def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp
     monkeypatch.setattr(data, "dense_layout", lambda device: True)
     monkeypatch.setattr(train, "dense_layout", lambda device: True)
     replays, replay = [], _Recorded.replay
-    monkeypatch.setattr(_Recorded, "replay", lambda self: replays.append(replay(self)))
+    monkeypatch.setattr(_Recorded, "replay", lambda self, fn: replays.append(replay(self, fn)))
     out = {}
     for graphs in (False, True):
         tr = trainer(tmp_path / str(graphs), "auto", algorithm,
@@ -1135,15 +1150,16 @@ def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp
 @pytest.mark.parametrize("case", list(GRAPH_CASES))
 def test_graphed_steps_give_the_eager_steps_bits(case, reorder, forms, monkeypatch, tmp_path):
     """``runtime.cuda_graph_steps`` (the local steps as a CUDA graph per step shape),
-    simulated on the CPU: where a graph would replay, the first call of that shape runs again,
-    closure and all (``GraphReplay(simulate=True)``). Four rounds, the step size cut tenfold
-    after two: the same bits as the eager steps in parameters, momentum, step sizes and
-    mixture weights, so nothing a graph would read stays the first round's (the schedule's
-    factor, each round's step sizes, FedProx's anchor). A gathered plan with every peer (its
-    steps of all peers graphed, the others eager) and a reordered one with half the peers a
-    round (every step graphed). With the GPU's solver forms too (``solver.FUSED_ON``, forced
-    here): torch.optim.SGD's fused kernel where every peer takes one step size, its step size
-    a tensor from the held factor."""
+    simulated on the CPU: where a graph would replay, this call's step runs on the graph's
+    buffers and must read what the graph would, the first call's host values and held
+    tensors, none freed since (``GraphReplay(simulate=True)``). Four rounds, the step size
+    cut tenfold after two: the same bits as the eager steps in parameters, momentum, step
+    sizes and mixture weights, so nothing a graph would read stays the first round's (the
+    schedule's factor, each round's step sizes, FedProx's anchor). A gathered plan with
+    every peer (its steps of all peers graphed, the others eager) and a reordered one with
+    half the peers a round (every step graphed). With the GPU's solver forms too
+    (``solver.FUSED_ON``, forced here): torch.optim.SGD's fused kernel where every peer
+    takes one step size, its step size a tensor from the held factor."""
     import gossip_pfl.train as train
     from gossip_pfl.runtime import solver
     from gossip_pfl.runtime.graphs import GraphReplay, _Recorded
@@ -1151,7 +1167,7 @@ def test_graphed_steps_give_the_eager_steps_bits(case, reorder, forms, monkeypat
     monkeypatch.setattr(train, "REORDER_ON", reorder)
     monkeypatch.setattr(solver, "FUSED_ON", forms)
     replays, replay = [], _Recorded.replay
-    monkeypatch.setattr(_Recorded, "replay", lambda self: replays.append(replay(self)))
+    monkeypatch.setattr(_Recorded, "replay", lambda self, fn: replays.append(replay(self, fn)))
     out = {}
     for graphs in (False, True):
         tr = trainer(tmp_path / str(graphs), "vmap", GRAPH_CASES[case],

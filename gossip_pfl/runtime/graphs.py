@@ -12,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
@@ -26,6 +27,7 @@ class _HostValues(TorchDispatchMode):
         super().__init__()
         self.ops: list[tuple] = []
         self.made: set[int] = set()  # the storages this call's operations allocated
+        self.held: dict[int, StorageWeakRef] = {}  # the others read, by address
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -41,6 +43,9 @@ class _HostValues(TorchDispatchMode):
         # where a tensor the call did not make lies: its memory, and which part of it
         held = tuple((p, v.storage_offset(), v.stride()) for p, v in zip(read, tensors)
                      if p not in self.made)  # fmt: skip
+        for p, v in zip(read, tensors):
+            if p not in self.made and p not in self.held:
+                self.held[p] = StorageWeakRef(v.untyped_storage())
         self.ops.append((str(func), host, held))
         out = func(*args, **kwargs)
         # new memory only: a view or an in-place result is the tensor it read
@@ -100,19 +105,30 @@ SIMULATED_REPLAY = "gossip_pfl::simulated_graph_replay"
 
 class _Recorded:
     """What :class:`GraphReplay` keeps instead of a graph when it ``simulate``s one: the
-    function of the first call, its buffers, and the host values and held tensors its
-    operations took; each :meth:`replay` runs the function again and checks that they took
-    the same ones."""
+    buffers of the first call, the host values and held tensors its operations took, and a
+    weak reference to each held tensor's memory. Not the function: a graph does not keep it
+    alive either, so a tensor only its closure held is freed after the capture, and a graph
+    would read whatever then takes its place. :meth:`replay` runs this call's function on
+    the buffers and checks that it took the same host values and held tensors, and that
+    none of the first call's has been freed (the new tensor may have taken its address)."""
 
     def __init__(self, fn: Callable[..., None], inputs: tuple) -> None:
-        self.fn, self.inputs = fn, inputs
+        self.inputs = inputs
         with _HostValues() as seen:
             fn(*inputs)
-        self.ops = seen.ops
+        self.ops, self.held = seen.ops, seen.held
 
-    def replay(self) -> None:
+    def replay(self, fn: Callable[..., None]) -> None:
         with torch.profiler.record_function(SIMULATED_REPLAY), _HostValues() as seen:
-            self.fn(*self.inputs)
+            fn(*self.inputs)
+        freed = next((i for i, op in enumerate(self.ops)
+                      if any(self.held[p].expired() for p, *_ in op[2])), None)  # fmt: skip
+        if freed is not None:
+            raise AssertionError(
+                f"a graph would read freed memory: operation {freed} ({self.ops[freed][0]}) "
+                f"read a tensor freed since the first call (a graph does not keep the "
+                f"function it captured, nor what only that function held)"
+            )
         if seen.ops != self.ops:
             at = next((i for i, (a, b) in enumerate(zip(seen.ops, self.ops)) if a != b),
                       min(len(seen.ops), len(self.ops)))  # fmt: skip
@@ -139,13 +155,14 @@ class GraphReplay:
     what another left in its temporaries: each reads only its buffers and tensors held outside
     the pool, and writes its results into held tensors.
 
-    ``simulate`` (tests, on a CPU): keep the first call's ``fn``, closure and all, with its
-    buffers, and run that again where a graph would replay. A value ``fn`` took from its
-    closure (a step size, a tensor made anew every round) then stays what it was, as in a
-    captured graph, and a comparison with eager steps finds it. A value it reads afresh (an
-    attribute, a global) would change where a graph's would not: each replay checks that its
-    operations take the host values (numbers, dtypes, shapes) of the first call, and read
-    the same memory where they read a tensor the call did not make.
+    ``simulate`` (tests, on a CPU): keep the first call's buffers and what its operations
+    took, run each later call's ``fn`` where a graph would replay, and check that it takes
+    what a graph would: the same host values (numbers, dtypes, shapes: a step size a
+    closure took anew each round is an error, not the first round's number), the same
+    memory where it reads a tensor the call did not make (a tensor made anew and read from
+    an attribute or a closure), and none freed since the first call (a graph does not keep
+    its function's closure alive; a new tensor may have taken the freed one's address).
+    The replay's numbers are then a graph's.
 
     A first run that waits for the device (PyTorch's synchronisation check sees an operation
     a graph cannot hold: a copy to the host, ``.item()``) is not captured, and a capture that
@@ -170,7 +187,10 @@ class GraphReplay:
             graph, mine = self.graphs[key]
             for buffer, new in zip(mine, inputs):
                 buffer.copy_(new)
-            graph.replay()
+            if self.simulate:  # (runs this call's fn, checked against the first's)
+                graph.replay(fn)
+            else:
+                graph.replay()
             return
         while len(self.graphs) >= self.keep:  # the oldest graph's memory goes first
             self.graphs.popitem(last=False)
