@@ -15,7 +15,7 @@ differences from the first form (float rounding: fused multiply-adds, the kernel
 rounding).
 
 On an H100 the eager steps took about 300 of a FedEM round's 884 GPU milliseconds, and the
-gathers and write-backs about 150 more (docs/benchmarks.md), before the fused forms and the
+gathers and write-backs about 150 more (docs/speed-notes.md), before the fused forms and the
 reordered plan. On a CPU the eager step keeps each term its own kernel so that it gives the
 same bits on every placement; a fused kernel rounds differently (a fused multiply-add), so
 this prints the largest difference too.

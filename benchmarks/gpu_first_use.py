@@ -1,7 +1,7 @@
 """What a fresh process pays the first time it calls each operation, on a run of the synthetic
 D-FedEM: a GPU loads a kernel's code at its first launch (CUDA's lazy loading), and the
 fourth lease measured 1.3 to 156 ms for the first call of some operations against 0.1 to
-0.5 ms after (docs/benchmarks.md). A fresh run's 200 rounds took 0.5 to 0.7 s longer than the
+0.5 ms after (docs/speed-notes.md). A fresh run's 200 rounds took 0.5 to 0.7 s longer than the
 same rounds run again in one process; this says which operations that is.
 
     python benchmarks/gpu_first_use.py [--rounds 3] [--top 25] [--set KEY=VALUE ...]

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checks of docs/benchmarks.md ("Left for a GPU machine") in two commands, for a
-# session that is lent a GPU machine. That machine has PyTorch with CUDA, numpy, scipy,
-# matplotlib, networkx, pytest and pytest-xdist, but reaches no package registry and has no
-# Fashion-MNIST files; `prepare` gathers what it lacks into .gpu_kit/ (ignored by git, about
-# 50 MB: the device tool carries at most 64 MiB with the tree).
+# The GPU checks of docs/benchmarks.md ("The GPU kit"; what each lease measured:
+# docs/speed-notes.md) in two commands, for a session that is lent a GPU machine. That
+# machine has PyTorch with CUDA, numpy, scipy, matplotlib, networkx, pytest and pytest-xdist,
+# but reaches no package registry and has no Fashion-MNIST files; `prepare` gathers what it
+# lacks into .gpu_kit/ (ignored by git, about 50 MB: the device tool carries at most 64 MiB
+# with the tree).
 #
 #   benchmarks/gpu_kit.sh prepare   # here, with PyPI: wheels + Fashion-MNIST
 #   benchmarks/gpu_kit.sh test      # there (carry .gpu_kit): install, the test suite

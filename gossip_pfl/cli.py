@@ -9,7 +9,7 @@ import warnings
 
 # Before torch (and so OpenMP) loads: idle OpenMP threads sleep instead of spinning. Two runs
 # side by side, each with a thread per core, were 2x to 10x slower than alone with spinning
-# threads, 1.4x to 1.6x with sleeping ones; a run alone is as fast (docs/benchmarks.md).
+# threads, 1.4x to 1.6x with sleeping ones; a run alone is as fast (docs/speed-notes.md).
 # A variable already set wins (OMP_WAIT_POLICY=ACTIVE spins).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

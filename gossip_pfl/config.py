@@ -195,7 +195,7 @@ class RuntimeConfig:
     cpu_kernels: bool = True
     #: CUDA only: the binary linear model's local SGD steps as one CUDA graph, captured in the
     #: first round and replayed after (the same kernels, one launch; 200 synthetic rounds 1.39
-    #: to 1.47 s against 1.86 on an H200, docs/benchmarks.md); rounds of other shapes (partial
+    #: to 1.47 s against 1.86 on an H200, docs/speed-notes.md); rounds of other shapes (partial
     #: participation) get their own; FedEM's E-step on that model too, in rounds every peer
     #: takes part in (the same operations, from the second round); false launches each kernel
     cuda_graphs: bool = True
@@ -204,7 +204,7 @@ class RuntimeConfig:
     #: captured when a shape first comes and replayed after, the round's step sizes read from
     #: tensors (the same kernels and numbers; FedEM, FedAvg, FedProx and their gossip forms
     #: with SGD, momentum and weight decay; others run each kernel). Off until timed on a GPU
-    #: (docs/benchmarks.md)
+    #: (docs/speed-notes.md)
     cuda_graph_steps: bool = False
     timeout_s: float = 300.0  #: a rank waits this long for a dead peer before failing
     metrics_every: int = 1  #: ignored, kept so older run configs load (metrics follow eval.every)

@@ -117,7 +117,7 @@ def conv_blocks(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tenso
     convs are batched matrix products over image patches: cuDNN ran the grouped conv as one
     kernel per group (300 for the FedEM CNN's second conv), and on an H100 the products took a
     step of the full CNN (100 peers x M = 3, batch 32) from 29.3 to 20.8 ms, and a FedEM
-    round's local work from 1.01 to 0.89 s (docs/benchmarks.md). On a CPU the second conv's
+    round's local work from 1.01 to 0.89 s (docs/speed-notes.md). On a CPU the second conv's
     products were slower than its groups. Every form gives the module's numbers up to float
     rounding (tests/test_runtime.py).
     """
@@ -151,7 +151,7 @@ def _first_block_by_products(
     with the product), times its M components' weights. For 4 to 5 peers' step of the study's
     CNN (batch 32, 2 threads) oneDNN's grouped convolution with one input channel per group
     took 25 to 33 ms for the forward and the weights' gradient, the products 5 to 6 ms, and a
-    whole FedEM run got 0.67x (docs/benchmarks.md). The product's rows are (image, y, x), so
+    whole FedEM run got 0.67x (docs/speed-notes.md). The product's rows are (image, y, x), so
     its output is channels-last, which the pooling reads without a copy (PyTorch's NCHW pooling
     on a CPU is about 9x slower)."""
     L, M, c1, C, k, _ = weight.shape

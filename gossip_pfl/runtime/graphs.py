@@ -1,7 +1,7 @@
 """A round's fixed-shape GPU work as CUDA graphs: captured once per shape, then replayed every
 round with its inputs copied into the graph's own buffers, so the host launches one graph where
 it launched dozens of kernels (a synthetic round's SGD steps: 1.66 ms of launches, 0.47 ms
-replayed, on an H200; docs/benchmarks.md). ``runtime.cuda_graphs`` (on by default) takes the
+replayed, on an H200; docs/speed-notes.md). ``runtime.cuda_graphs`` (on by default) takes the
 binary linear model's steps this way; ``runtime.cuda_graph_steps`` (off until timed on a GPU)
 an autograd model's local steps, a graph per step shape."""
 

@@ -8,7 +8,7 @@ its minibatch into a buffer, then reads it twice more (forward, backward). Here 
 loop on one thread: its rows come from memory once a round (the E-step's pass) and stay in
 the core's cache for its steps, its parameters too, a step's update is added four samples a
 pass, and a round of every step is one call. On the synthetic D-FedEM (300 peers, M = 3) a
-round's loop takes about a fifth of the torch operations' time (docs/benchmarks.md).
+round's loop takes about a fifth of the torch operations' time (docs/speed-notes.md).
 
 Each peer's numbers come from one thread in a fixed order, so they do not depend on the
 thread count nor on which peers share the rank. They round differently from the torch path

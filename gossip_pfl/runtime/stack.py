@@ -445,7 +445,7 @@ class BatchedForward:
         """Yield (rows, sample slice, logits (A, M, width), float targets, mask) per cached
         piece of ``split``. x times w^T, then + b: about 2x faster on a CPU than w times x^T
         (the forward's product, :meth:`_linear`; it streams x once), and rounded
-        differently: the synthetic table's accuracies do not move (docs/benchmarks.md)."""
+        differently: the synthetic table's accuracies do not move (docs/speed-notes.md)."""
         P = theta.shape[-1]
         for rows, sl, xt, tgt, mask in split.linear_pieces(budget, theta.shape[1]):
             th = theta if rows is None else theta.index_select(0, rows)

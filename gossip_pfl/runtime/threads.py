@@ -111,7 +111,7 @@ def map_pieces(fn: Callable[[T], R], items: Sequence[T], threads: int) -> list[R
     On a CPU a batched CNN's step is many small operations (a few peers' convolutions, in
     cache-sized pieces). With each operation split over two torch threads, a step of the
     Fashion-MNIST FedAvg CNN took 1.47x one thread's time and FedEM's 0.67x; with two pieces
-    at once, 0.58x and 0.53x (docs/benchmarks.md). Pieces run at once each give one thread's
+    at once, 0.58x and 0.53x (docs/speed-notes.md). Pieces run at once each give one thread's
     numbers. The workers run ``fn`` under this thread's grad mode (a thread-local
     setting); ``fn`` must write only its own outputs and fill no shared cache. The first
     error is raised, after the pieces still queued are dropped."""
