@@ -196,8 +196,8 @@ class RuntimeConfig:
     #: CUDA only: the binary linear model's local SGD steps as one CUDA graph, captured in the
     #: first round and replayed after (the same kernels, one launch; 200 synthetic rounds 1.39
     #: to 1.47 s against 1.86 on an H200, docs/speed-notes.md); rounds of other shapes (partial
-    #: participation) get their own; FedEM's E-step on that model too, in rounds every peer
-    #: takes part in (the same operations, from the second round); false launches each kernel
+    #: participation) get their own; FedEM's E-step on that model too (the same operations,
+    #: from the second round, whoever takes part); false launches each kernel
     cuda_graphs: bool = True
     #: CUDA only, experimental: the local steps of models with their own batched layers
     #: (cnn, lenet, mlp; linear under batching vmap) as CUDA graphs, one per step shape,

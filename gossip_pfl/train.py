@@ -360,7 +360,7 @@ class Trainer(RoundLoop):
         # (with fuses_e_step, q and the personal state are filled during the local steps)
         self.participants = None if mine.all() else mine
         try:
-            if self.e_step_graphs is not None and mine.all():
+            if self.e_step_graphs is not None:  # (every peer's rows, whoever takes part)
                 personal, q = self._graphed_e_step(theta)
             else:
                 personal, q = self.surrogate.begin_round(self, theta, self.personal,
@@ -399,7 +399,9 @@ class Trainer(RoundLoop):
         device operations on the round's parameters and the mixture weights alone, over the
         training split in one piece of every peer (a view: the pieces of a larger split, some
         10,000 peers, write their rows by an index, which with deterministic kernels on a GPU
-        sorts them and may wait for the device)."""
+        sorts them and may wait for the device). Its losses are every peer's whoever takes
+        part (:meth:`train_losses`: one product gives every row), so a round of some peers
+        takes the same graph; the others keep their state after (:meth:`local_work`)."""
         if not (
             self.forward.closed_form
             and self.task == "binary"
@@ -413,13 +415,13 @@ class Trainer(RoundLoop):
         return len(plan) == 1 and isinstance(plan[0][1], slice)
 
     def _graphed_e_step(self, theta: torch.Tensor) -> tuple[dict, torch.Tensor]:
-        """The surrogate's E-step of a round every peer takes part in (the losses, q and
-        the new pi) replayed as a CUDA graph per stack (gossip alternates between two): the
-        mixture weights go in through the graph's buffer, q and pi come out in tensors
-        held across rounds; pi is copied out of them, so the personal state is the run's
-        own. Three launches where the eager E-step took about 20, the same operations. The
-        first time, eagerly: that call makes the split's caches the E-step reads and the
-        held outputs, which a graph must find made (it replays a call's operations)."""
+        """The surrogate's E-step (the losses, q and the new pi, every peer's) replayed as a
+        CUDA graph per stack (gossip alternates between two): the mixture weights go in
+        through the graph's buffer, q and pi come out in tensors held across rounds; pi is
+        copied out of them, so the personal state is the run's own. Three launches where the
+        eager E-step took about 20, the same operations. The first time, eagerly: that call
+        makes the split's caches the E-step reads and the held outputs, which a graph must
+        find made (it replays a call's operations)."""
         begin = partial(self.surrogate.begin_round, self, theta, mask=self.train.mask)
 
         def e_step(pi_in: torch.Tensor) -> None:
