@@ -200,3 +200,32 @@ def test_uploads_rewrite_a_buffer_only_after_its_copy_ran():
     for tensor, a in zip(got, arrays):
         assert torch.equal(tensor.cpu(), torch.from_numpy(a))
     assert all(slot[0].is_pinned() for slot in up.slots["floats"])
+
+
+@pytest.mark.parametrize("graph", ["cycle", "complete"], ids=["sparse block", "dense block"])
+def test_a_phase_planned_every_round_goes_to_the_device_without_waiting(graph):
+    """Partial participation plans a gossip phase every round: its mixing blocks (a ring of
+    100 peers: a sparse CSR block; a complete graph: a dense one) reach the device through
+    page-locked memory, so planning does not wait for the device's queue (PyTorch's
+    synchronisation check errs on any wait), and they hold the CPU plan's weights."""
+    import networkx as nx
+
+    from gossip_pfl.runtime.exchange import plan_phase
+    from gossip_pfl.runtime.placement import Placement
+    from topologies import Phase
+
+    w = nx.to_numpy_array(getattr(nx, f"{graph}_graph")(100))
+    w = (w + np.eye(100)) / (w.sum(1, keepdims=True) + 1)  # each row's neighbours, evenly
+    phase, placement = Phase.from_dense(w), Placement(100, 1)
+    cpu = plan_phase(phase, placement, torch.device("cpu"))
+    assert cpu.own.is_sparse_csr is (graph == "cycle")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of queued work the planning must not wait for
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        gpu = plan_phase(phase, placement, torch.device("cuda"))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert gpu.own.is_cuda and gpu.own.is_sparse_csr is cpu.own.is_sparse_csr
+    dense = (lambda b: b.to_dense()) if cpu.own.is_sparse_csr else (lambda b: b)
+    assert torch.equal(dense(gpu.own).cpu(), dense(cpu.own))

@@ -72,7 +72,14 @@ def _block(rows, cols, vals, shape, device) -> torch.Tensor:
     )
     with warnings.catch_warnings():  # "sparse CSR support is in beta": it is what we want
         warnings.simplefilter("ignore", UserWarning)
-        return coo.coalesce().to_sparse_csr().to(device)
+        csr = coo.coalesce().to_sparse_csr()
+        if device.type != "cuda":
+            return csr.to(device)
+        # its three parts through page-locked memory, as the dense block: a sparse tensor's
+        # .to(device) copies them from pageable memory, each copy a wait for the device
+        parts = [t.pin_memory().to(device, non_blocking=True)
+                 for t in (csr.crow_indices(), csr.col_indices(), csr.values())]  # fmt: skip
+        return torch.sparse_csr_tensor(*parts, shape, check_invariants=False)
 
 
 def weight_by_size(phase: Phase, sizes: np.ndarray) -> Phase:
