@@ -20,6 +20,7 @@ import pytest
 import torch
 from _helpers import _PRELOAD, run_ranks, toy_dataset
 from _helpers import cnn_trainer as cnn_trainer_fedem
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from gossip_pfl.algorithms.base import weighted_loss_grad
 from gossip_pfl.algorithms.losses import sample_loss
@@ -1237,6 +1238,58 @@ def test_a_rounds_operations_do_not_grow_with_its_peers(gpu, monkeypatch, tmp_pa
 #: the operations of a D-FedEM round on the linear model (bench_ops' count): the CPU's
 #: compiled loops, and a GPU's layout (test_a_rounds_operations_do_not_grow_with_its_peers)
 ROUND_OPS = {False: 34, True: 25}
+
+
+class _Waits(TorchDispatchMode):
+    """The operations whose result the host needs at once (a value read back, a nonzero's
+    count, a boolean mask's rows): on a GPU each waits for the device, and a CUDA graph
+    cannot hold it."""
+
+    NAMES = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select",
+             "_unique", "_unique2", "unique_dim", "unique_consecutive"}  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket).removeprefix("aten.")
+        indices = args[1] if name.startswith("index") and len(args) > 1 else ()
+        masks = isinstance(indices, (list, tuple)) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices
+        )
+        if name in self.NAMES or masks:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize(
+    "case, batching, participants, waits",
+    [("dfedem (fused SGD update)", "auto", 6, False),
+     ("dfedem (fused SGD update)", "auto", 3, False),
+     ("fedem, momentum, decay, lr schedule", "vmap", 3, False),
+     ("fedprox, lr schedule", "vmap", 6, False),
+     ("fedli_ls (line search)", "vmap", 6, True)],
+)  # fmt: skip
+def test_a_gpu_round_does_not_wait_for_the_device(
+    case, batching, participants, waits, monkeypatch, tmp_path
+):
+    """In a GPU's layout (its forms, its CUDA graphs simulated), a round of every peer or of
+    half of them takes no operation that waits for the device: the host queues the round
+    and goes on. FedLi-LS's line search does (a nonzero and boolean masks a trial: which
+    peers still search), which shows the check sees them."""
+    bench_ops = _bench_ops(monkeypatch)
+    with bench_ops.gpu_forms():
+        tr = trainer(tmp_path, batching, {**CASES, **GRAPH_CASES}[case], cpu_kernels=False,
+                     cuda_graph_steps=True, sizes=[40, 85, 20, 59, 33, 59])  # fmt: skip
+        tr.cfg.participation, tr.n_active = participants / 6, participants
+        tr.use_cuda_graphs(simulate=True)
+        for t in range(3):  # (the graphs' first calls, the plans' caches)
+            bench_ops.one_round(tr, t)
+        with _Waits() as mode:
+            for t in range(3, 5):
+                bench_ops.one_round(tr, t)
+    assert bool(mode.seen) is waits, mode.seen
 
 
 @pytest.mark.parametrize("batching", ["auto", "vmap"])
