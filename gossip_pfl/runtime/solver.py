@@ -258,9 +258,10 @@ class LocalArmijo(LocalSGD):
             step[sub] = eta[sub]
             last = trial == self.max_trials - 1
             done = ok | last
-            pending[sub[done]] = False
-            shrink = sub[~done]
-            eta[shrink] = eta[shrink] * self.beta
+            # by index and where, not boolean masks: a mask's rows are a wait for a GPU (the
+            # nonzero above, which shrinks the trials to the peers still searching, is one)
+            pending[sub] = ~done
+            eta[sub] = torch.where(done, eta[sub], eta[sub] * self.beta)
         theta[rows] = p - step.to(p.dtype)[:, None, None] * g
         state.eta[rows] = torch.where(g2 >= 1e-16, step, state.eta[rows])
 
