@@ -6,7 +6,9 @@ Two workloads: the synthetic D-FedEM (configs/synthetic/dfedem.yaml: 300 peers, 
 model) and the Fashion-MNIST FedEM CNN (configs/fashion_mnist/fedem.yaml; skipped without the
 image files). ``ops`` counts the aten operators called from Python (each one a dispatch);
 ``compute ops`` leaves out those that only make a view (no kernel on any device: about the
-kernel launches on a GPU); ``all ops`` adds the operators they call in turn.
+kernel launches on a GPU); ``all ops`` adds the operators they call in turn; ``waits`` counts
+those that would make the host wait for a GPU (:class:`Waits`: a value read back, a
+nonzero, a boolean mask), in a round after the timed ones.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_ops.py [--rounds 5] [--only synthetic]
         [--set KEY=VALUE ...] [--json runs/bench_ops.json] [--gpu-layout]
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gossip_pfl.train as train
 from gossip_pfl import models
@@ -92,6 +95,29 @@ def _in_replay(ev) -> bool:
     while parent is not None and parent.name != SIMULATED_REPLAY:
         parent = parent.cpu_parent
     return parent is not None
+
+
+class Waits(TorchDispatchMode):
+    """The operations whose result the host needs at once (a value read back, a nonzero's
+    count, a boolean mask's rows): on a GPU each waits for the device, and a CUDA graph
+    cannot hold it. (An upload from pageable memory waits too; this cannot see it.)"""
+
+    NAMES = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select",
+             "_unique", "_unique2", "unique_dim", "unique_consecutive"}  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = str(func.overloadpacket).removeprefix("aten.")
+        indices = args[1] if name.startswith("index") and len(args) > 1 else ()
+        masks = isinstance(indices, (list, tuple)) and any(
+            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices
+        )
+        if name in self.NAMES or masks:
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
 
 
 #: the switches of a GPU's forms: (module, name, the value that turns them on for a CPU)
@@ -158,6 +184,8 @@ def _measure(name, config, overrides, rounds, gpu, cfg) -> dict:
         t0 = time.perf_counter()
         one_round(trainer, t)
         times.append(time.perf_counter() - t0)
+    with Waits() as waits:  # (a round more, untimed: the mode costs host time)
+        one_round(trainer, warm + 1 + rounds)
     t0 = time.perf_counter()
     trainer.metrics_row(warm + rounds)
     eval_s = time.perf_counter() - t0
@@ -172,6 +200,7 @@ def _measure(name, config, overrides, rounds, gpu, cfg) -> dict:
         "compute_ops_per_round": ops["compute"],
         "ops_per_round_all": ops["all"],
         "seconds_per_round": statistics.median(times),
+        "waits_per_round": len(waits.seen),
         "ops_per_eval": eval_ops["top_level"],
         "compute_ops_per_eval": eval_ops["compute"],
         "seconds_per_eval": eval_s,
@@ -229,14 +258,14 @@ def main() -> None:
     )
     how = ", the GPU's layout" if args.gpu_layout else ""
     print(f"# commit {rev}, {host}{how}; written to {args.json}")
-    print("| workload | peers x M | ops/round | compute ops/round | all ops/round | s/round "
-          "| ops/eval | s/eval | threads |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| workload | peers x M | ops/round | compute ops/round | all ops/round | "
+          "waits/round | s/round | ops/eval | s/eval | threads |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in records:
         print(
             f"| {r['workload']} | {r['peers']} x {r['components']} | {r['ops_per_round']} | "
             f"{r['compute_ops_per_round']} | {r['ops_per_round_all']} | "
-            f"{r['seconds_per_round']:.4f} | {r['ops_per_eval']} | "
+            f"{r['waits_per_round']} | {r['seconds_per_round']:.4f} | {r['ops_per_eval']} | "
             f"{r['seconds_per_eval']:.3f} | {r['threads']} |"
         )
 

@@ -20,7 +20,6 @@ import pytest
 import torch
 from _helpers import _PRELOAD, run_ranks, toy_dataset
 from _helpers import cnn_trainer as cnn_trainer_fedem
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from gossip_pfl.algorithms.base import weighted_loss_grad
 from gossip_pfl.algorithms.losses import sample_loss
@@ -1240,29 +1239,6 @@ def test_a_rounds_operations_do_not_grow_with_its_peers(gpu, monkeypatch, tmp_pa
 ROUND_OPS = {False: 34, True: 25}
 
 
-class _Waits(TorchDispatchMode):
-    """The operations whose result the host needs at once (a value read back, a nonzero's
-    count, a boolean mask's rows): on a GPU each waits for the device, and a CUDA graph
-    cannot hold it."""
-
-    NAMES = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select",
-             "_unique", "_unique2", "unique_dim", "unique_consecutive"}  # fmt: skip
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = str(func.overloadpacket).removeprefix("aten.")
-        indices = args[1] if name.startswith("index") and len(args) > 1 else ()
-        masks = isinstance(indices, (list, tuple)) and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices
-        )
-        if name in self.NAMES or masks:
-            self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize(
     "case, batching, participants, waits",
     [("dfedem (fused SGD update)", "auto", 6, False),
@@ -1286,7 +1262,7 @@ def test_a_gpu_round_does_not_wait_for_the_device(
         tr.use_cuda_graphs(simulate=True)
         for t in range(3):  # (the graphs' first calls, the plans' caches)
             bench_ops.one_round(tr, t)
-        with _Waits() as mode:
+        with bench_ops.Waits() as mode:
             for t in range(3, 5):
                 bench_ops.one_round(tr, t)
     assert bool(mode.seen) is waits, mode.seen
