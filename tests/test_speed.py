@@ -1252,8 +1252,8 @@ def test_a_gpu_round_does_not_wait_for_the_device(
 ):
     """In a GPU's layout (its forms, its CUDA graphs simulated), a round of every peer or of
     half of them takes no operation that waits for the device: the host queues the round
-    and goes on. FedLi-LS's line search does (a nonzero and boolean masks a trial: which
-    peers still search), which shows the check sees them."""
+    and goes on. FedLi-LS's line search does (a nonzero a trial: the peers still
+    searching), which shows the check sees them."""
     bench_ops = _bench_ops(monkeypatch)
     with bench_ops.gpu_forms():
         tr = trainer(tmp_path, batching, {**CASES, **GRAPH_CASES}[case], cpu_kernels=False,
