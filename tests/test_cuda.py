@@ -202,12 +202,13 @@ def test_uploads_rewrite_a_buffer_only_after_its_copy_ran():
     assert all(slot[0].is_pinned() for slot in up.slots["floats"])
 
 
-@pytest.mark.parametrize("graph", ["cycle", "complete"], ids=["sparse block", "dense block"])
+@pytest.mark.parametrize("graph", ["cycle", "complete"], ids=["sparse blocks", "dense blocks"])
 def test_a_phase_planned_every_round_goes_to_the_device_without_waiting(graph):
-    """Partial participation plans a gossip phase every round: its mixing blocks (a ring of
-    100 peers: a sparse CSR block; a complete graph: a dense one) reach the device through
-    page-locked memory, so planning does not wait for the device's queue (PyTorch's
-    synchronisation check errs on any wait), and they hold the CPU plan's weights."""
+    """Partial participation plans a gossip phase every round: a rank's mixing blocks (a ring
+    of 100 peers on 2 ranks: sparse CSR blocks and the rows it sends, 0 and 49; a complete
+    graph: dense blocks) reach the device through page-locked memory, so planning does not
+    wait for the device's queue (PyTorch's synchronisation check errs on any wait), and they
+    hold the CPU plan's weights and rows."""
     import networkx as nx
 
     from gossip_pfl.runtime.exchange import plan_phase
@@ -216,9 +217,10 @@ def test_a_phase_planned_every_round_goes_to_the_device_without_waiting(graph):
 
     w = nx.to_numpy_array(getattr(nx, f"{graph}_graph")(100))
     w = (w + np.eye(100)) / (w.sum(1, keepdims=True) + 1)  # each row's neighbours, evenly
-    phase, placement = Phase.from_dense(w), Placement(100, 1)
+    phase, placement = Phase.from_dense(w), Placement(100, 2, rank=0)
     cpu = plan_phase(phase, placement, torch.device("cpu"))
     assert cpu.own.is_sparse_csr is (graph == "cycle")
+    assert isinstance(cpu.sends[1], torch.Tensor) is (graph == "cycle")
     torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)  # about 0.1 s of queued work the planning must not wait for
     torch.cuda.set_sync_debug_mode("error")
@@ -226,6 +228,12 @@ def test_a_phase_planned_every_round_goes_to_the_device_without_waiting(graph):
         gpu = plan_phase(phase, placement, torch.device("cuda"))
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert gpu.own.is_cuda and gpu.own.is_sparse_csr is cpu.own.is_sparse_csr
-    dense = (lambda b: b.to_dense()) if cpu.own.is_sparse_csr else (lambda b: b)
-    assert torch.equal(dense(gpu.own).cpu(), dense(cpu.own))
+    for mine, want in ((gpu.own, cpu.own), (gpu.received, cpu.received)):
+        assert mine.is_cuda and mine.is_sparse_csr is want.is_sparse_csr
+        dense = (lambda b: b.to_dense()) if want.is_sparse_csr else (lambda b: b)
+        assert torch.equal(dense(mine).cpu(), dense(want))
+    sent, want = gpu.sends[1], cpu.sends[1]
+    if isinstance(want, slice):
+        assert sent == want
+    else:
+        assert sent.is_cuda and torch.equal(sent.cpu(), want)

@@ -158,13 +158,23 @@ def _first_line(err: BaseException) -> str:
     return text[0][:200] if text else type(err).__name__
 
 
+def upload(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on ``device``. To a GPU through page-locked memory, queued: a copy
+    from pageable memory first waits for everything queued on the device (plans made every
+    round would each stop the host); PyTorch's pinned-memory cache keeps the staging block
+    until the copy has run."""
+    if torch.device(device).type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def row_index(idx: np.ndarray, device) -> torch.Tensor | slice:
     """Rows ``idx`` (host, non-negative) as a slice where they are a contiguous run (a view, no
     copy; and on a GPU no indexing kernel: the first evaluation's three gathers took 114 to 135
-    ms of first use on an H200), else as an index."""
+    ms of first use on an H200), else as an index (:func:`upload`ed)."""
     if len(idx) and idx[0] >= 0 and np.array_equal(idx, np.arange(idx[0], idx[0] + len(idx))):
         return slice(int(idx[0]), int(idx[0]) + len(idx))
-    return torch.as_tensor(idx, device=device)
+    return upload(torch.as_tensor(idx), device)
 
 
 def gather_rows(comm: Comm, rows: torch.Tensor, positions, total: int) -> torch.Tensor:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from gossip_pfl.runtime.comm import row_index
+from gossip_pfl.runtime.comm import row_index, upload
 from gossip_pfl.runtime.placement import Placement
 from topologies import Phase
 
@@ -59,11 +59,7 @@ def _block(rows, cols, vals, shape, device) -> torch.Tensor:
             torch.as_tensor(vals, dtype=torch.float64),
             accumulate=True,
         )
-        if device.type == "cuda":  # from page-locked memory the host need not wait for the
-            # device's queue (partial participation plans a phase every round); PyTorch's
-            # pinned-memory cache keeps the block until the copy has run
-            return dense.pin_memory().to(device, non_blocking=True)
-        return dense.to(device)
+        return upload(dense, device)  # (partial participation plans a phase every round)
     coo = torch.sparse_coo_tensor(
         torch.as_tensor(np.stack([rows, cols])),
         torch.as_tensor(vals, dtype=torch.float64),
@@ -75,10 +71,9 @@ def _block(rows, cols, vals, shape, device) -> torch.Tensor:
         csr = coo.coalesce().to_sparse_csr()
         if device.type != "cuda":
             return csr.to(device)
-        # its three parts through page-locked memory, as the dense block: a sparse tensor's
-        # .to(device) copies them from pageable memory, each copy a wait for the device
-        parts = [t.pin_memory().to(device, non_blocking=True)
-                 for t in (csr.crow_indices(), csr.col_indices(), csr.values())]  # fmt: skip
+        # its three parts uploaded as the dense block is: a sparse tensor's .to(device) copies
+        # them from pageable memory, each copy a wait for the device
+        parts = [upload(t, device) for t in (csr.crow_indices(), csr.col_indices(), csr.values())]
         return torch.sparse_csr_tensor(*parts, shape, check_invariants=False)
 
 
