@@ -30,6 +30,7 @@ import argparse
 import json
 import statistics
 import subprocess
+import sys
 import time
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -98,16 +99,43 @@ def _in_replay(ev) -> bool:
 
 
 class Waits(TorchDispatchMode):
-    """The operations whose result the host needs at once (a value read back, a nonzero's
-    count, a boolean mask's rows): on a GPU each waits for the device, and a CUDA graph
-    cannot hold it. (An upload from pageable memory waits too; this cannot see it.)"""
+    """The operations whose result the host needs at once: a value read back (``.item()``,
+    ``.cpu()``, ``.numpy()``, ``.tolist()``, a copy to the host), a nonzero's count, a
+    boolean mask's rows. On a GPU each waits for the device, and a CUDA graph cannot hold
+    it. On a CPU a read back dispatches nothing, so the tensor methods are watched while
+    the mode is on; a host tensor read there (one a GPU run would keep on the host too)
+    counts as well. An upload from pageable memory waits too; this cannot see it."""
 
     NAMES = {"_local_scalar_dense", "nonzero", "is_nonzero", "equal", "masked_select",
              "_unique", "_unique2", "unique_dim", "unique_consecutive"}  # fmt: skip
+    READS = ("cpu", "numpy", "tolist")  # (``item`` dispatches _local_scalar_dense)
+    #: reads of host memory that a GPU run reads there too, without a copy or a wait: the
+    #: queued finite check's flag (on a GPU a page-locked copy queued a round before)
+    HOST_READS = {"_finite_checked"}
 
     def __init__(self) -> None:
         super().__init__()
         self.seen: list[str] = []
+        self._methods: dict = {}
+
+    def __enter__(self):
+        for name in self.READS:
+            method = self._methods[name] = getattr(torch.Tensor, name)
+
+            def watched(t, *args, _name=name, _method=method, **kwargs):
+                caller = sys._getframe(1)
+                if caller.f_code.co_name not in self.HOST_READS:
+                    where = f"{Path(caller.f_code.co_filename).name}:{caller.f_lineno}"
+                    self.seen.append(f"Tensor.{_name} ({where})")
+                return _method(t, *args, **kwargs)
+
+            setattr(torch.Tensor, name, watched)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self._methods.items():
+            setattr(torch.Tensor, name, method)
+        return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = str(func.overloadpacket).removeprefix("aten.")
@@ -115,9 +143,13 @@ class Waits(TorchDispatchMode):
         masks = isinstance(indices, (list, tuple)) and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices
         )
-        if name in self.NAMES or masks:
+        out = func(*args, **(kwargs or {}))
+        to_host = name in ("_to_copy", "copy_") and isinstance(out, torch.Tensor) and (
+            out.device.type == "cpu" and any(isinstance(a, torch.Tensor) and a.is_cuda
+                                             for a in args))  # fmt: skip
+        if name in self.NAMES or masks or to_host:
             self.seen.append(str(func))
-        return func(*args, **(kwargs or {}))
+        return out
 
 
 #: the switches of a GPU's forms: (module, name, the value that turns them on for a CPU)
@@ -187,9 +219,9 @@ def _measure(name, config, overrides, rounds, gpu, cfg) -> dict:
     with Waits() as waits:  # (a round more, untimed: the mode costs host time)
         one_round(trainer, warm + 1 + rounds)
     t0 = time.perf_counter()
-    trainer.metrics_row(warm + rounds)
+    trainer.metrics_row(warm + 1 + rounds)
     eval_s = time.perf_counter() - t0
-    eval_ops = aten_counts(lambda: trainer.metrics_row(warm + rounds))
+    eval_ops = aten_counts(lambda: trainer.metrics_row(warm + 1 + rounds))
     return {
         "workload": name,
         "config": str(config.relative_to(ROOT)),
