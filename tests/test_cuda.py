@@ -207,8 +207,8 @@ def test_a_phase_planned_every_round_goes_to_the_device_without_waiting(graph):
     """Partial participation plans a gossip phase every round: a rank's mixing blocks (a ring
     of 100 peers on 2 ranks: sparse CSR blocks and the rows it sends, 0 and 49; a complete
     graph: dense blocks) reach the device through page-locked memory, so planning does not
-    wait for the device's queue (PyTorch's synchronisation check errs on any wait), and they
-    hold the CPU plan's weights and rows."""
+    wait for the device's queue (PyTorch's synchronisation check errs on the waits it
+    watches: the pageable copies they were), and they hold the CPU plan's weights and rows."""
     import networkx as nx
 
     from gossip_pfl.runtime.exchange import plan_phase

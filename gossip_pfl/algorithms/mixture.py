@@ -54,7 +54,8 @@ class MixtureSurrogate:
         if getattr(ctx, "fuses_e_step", False):
             pending = PendingEStep.of(personal["pi"], mask.shape[1], self.q_smoothing)
             return {**personal, "pi": pending.pi}, pending
-        losses = ctx.train_losses(theta, active=ctx.participants)  # the others' rows: 0
+        # the others' rows 0, or (the binary linear model's closed form) theirs as well
+        losses = ctx.train_losses(theta, active=ctx.participants)
         return self.update_personal(personal, losses, mask)
 
     def shared_grad(self, ctx, theta, personal, rows, x, y, sw):

@@ -158,7 +158,7 @@ def _first_line(err: BaseException) -> str:
     return text[0][:200] if text else type(err).__name__
 
 
-def upload(t: torch.Tensor, device) -> torch.Tensor:
+def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A small host tensor on ``device``. To a GPU through page-locked memory, queued: a copy
     from pageable memory first waits for everything queued on the device (plans made every
     round would each stop the host); PyTorch's pinned-memory cache keeps the staging block

@@ -110,7 +110,10 @@ class _Recorded:
     alive either, so a tensor only its closure held is freed after the capture, and a graph
     would read whatever then takes its place. :meth:`replay` runs this call's function on
     the buffers and checks that it took the same host values and held tensors, and that
-    none of the first call's has been freed (the new tensor may have taken its address)."""
+    none of the first call's has been freed (the new tensor may have taken its address).
+    Stricter than a graph in corners no trainer path reaches: an empty tensor made anew
+    (every empty storage lies at address 0) and a new tensor over the same memory (a
+    ``from_numpy`` of a kept array) count as freed."""
 
     def __init__(self, fn: Callable[..., None], inputs: tuple) -> None:
         self.inputs = inputs

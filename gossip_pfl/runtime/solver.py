@@ -261,7 +261,8 @@ class LocalArmijo(LocalSGD):
             # by index and where, not boolean masks: a mask's rows are a wait for a GPU (the
             # nonzero above, which shrinks the trials to the peers still searching, is one)
             pending[sub] = ~done
-            eta[sub] = torch.where(done, eta[sub], eta[sub] * self.beta)
+            tried = eta[sub]
+            eta[sub] = torch.where(done, tried, tried * self.beta)
         theta[rows] = p - step.to(p.dtype)[:, None, None] * g
         state.eta[rows] = torch.where(g2 >= 1e-16, step, state.eta[rows])
 
