@@ -69,8 +69,6 @@ def _block(rows, cols, vals, shape, device) -> torch.Tensor:
     with warnings.catch_warnings():  # "sparse CSR support is in beta": it is what we want
         warnings.simplefilter("ignore", UserWarning)
         csr = coo.coalesce().to_sparse_csr()
-        if device.type != "cuda":
-            return csr.to(device)
         # its three parts uploaded as the dense block is: a sparse tensor's .to(device) copies
         # them from pageable memory, each copy a wait for the device
         parts = [upload(t, device) for t in (csr.crow_indices(), csr.col_indices(), csr.values())]

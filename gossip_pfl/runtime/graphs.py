@@ -41,10 +41,10 @@ class _HostValues(TorchDispatchMode):
         tensors = [v for v in leaves if isinstance(v, torch.Tensor)]
         read = [_storage(v) for v in tensors]
         # where a tensor the call did not make lies: its memory, and which part of it
-        held = tuple((p, v.storage_offset(), v.stride()) for p, v in zip(read, tensors)
-                     if p not in self.made)  # fmt: skip
-        for p, v in zip(read, tensors):
-            if p not in self.made and p not in self.held:
+        outside = [(p, v) for p, v in zip(read, tensors) if p not in self.made]
+        held = tuple((p, v.storage_offset(), v.stride()) for p, v in outside)
+        for p, v in outside:
+            if p not in self.held:
                 self.held[p] = StorageWeakRef(v.untyped_storage())
         self.ops.append((str(func), host, held))
         out = func(*args, **kwargs)

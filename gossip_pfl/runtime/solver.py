@@ -252,16 +252,16 @@ class LocalArmijo(LocalSGD):
             sub = pending.nonzero()[:, 0]
             if len(sub) == 0:
                 break
-            cand = p[sub] - eta[sub].to(p.dtype)[:, None, None] * g[sub]
+            tried = eta[sub]
+            cand = p[sub] - tried.to(p.dtype)[:, None, None] * g[sub]
             f1 = loss_at(cand, sub).double() + self._decay(cand)
-            ok = f1 <= f0[sub] - self.c * eta[sub] * g2[sub]
-            step[sub] = eta[sub]
+            ok = f1 <= f0[sub] - self.c * tried * g2[sub]
+            step[sub] = tried
             last = trial == self.max_trials - 1
             done = ok | last
             # by index and where, not boolean masks: a mask's rows are a wait for a GPU (the
             # nonzero above, which shrinks the trials to the peers still searching, is one)
             pending[sub] = ~done
-            tried = eta[sub]
             eta[sub] = torch.where(done, tried, tried * self.beta)
         theta[rows] = p - step.to(p.dtype)[:, None, None] * g
         state.eta[rows] = torch.where(g2 >= 1e-16, step, state.eta[rows])
