@@ -369,6 +369,13 @@ class LeNet(nn.Module):
         return batched_linear(h, params["fc3.weight"], params["fc3.bias"])
 
 
+def one_hot(y: torch.Tensor, classes: int, dtype: torch.dtype) -> torch.Tensor:
+    """``y (...) -> (..., classes)``, as ``F.one_hot`` without its check of the labels on the
+    host (a read of ``y.min()``, which ``torch.func.vmap`` refuses); the labels were checked
+    when the data was loaded."""
+    return (y[..., None] == torch.arange(classes, device=y.device)).to(dtype)
+
+
 class LeNetEmbedding(nn.Module):
     """PeFLL's embedding network phi(x, y): LeNet on the image with the one-hot label broadcast
     as ``num_classes`` extra input planes, its last layer 84 -> ``dim`` without a nonlinearity.
@@ -381,7 +388,7 @@ class LeNetEmbedding(nn.Module):
         self.net = LeNet((c_in + num_classes, height, width), dim)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        planes = nn.functional.one_hot(y, self.num_classes).to(x.dtype)  # (N, C)
+        planes = one_hot(y, self.num_classes, x.dtype)  # (N, C)
         planes = planes[:, :, None, None].expand(-1, -1, *x.shape[2:])
         return self.net(torch.cat([x, planes], dim=1))
 
@@ -396,7 +403,7 @@ class LabelEmbedding(nn.Module):
         self.fc = nn.Linear(num_classes, dim)
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        return self.fc(nn.functional.one_hot(y, self.num_classes).to(self.fc.weight.dtype))
+        return self.fc(one_hot(y, self.num_classes, self.fc.weight.dtype))
 
 
 #: embedding networks phi(x, y) -> R^dim (PeFLL), by name

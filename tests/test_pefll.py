@@ -5,6 +5,7 @@ bytes, 1 process against 2 Gloo ranks, and bad input through the CLI."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -268,3 +269,65 @@ def test_local_steps_in_pieces_at_once_equal_all_clients_at_once(threads, tmp_pa
     assert calls == [[5], {2: [2, 3], 3: [1, 2, 2]}[threads]]
     assert torch.equal(at_once, one)
     assert not torch.equal(one, theta)  # the steps moved the models
+
+
+@pytest.mark.parametrize("embed", ["lenet", "labels"])
+def test_each_clients_embed_message_is_its_own_vjp(embed, tmp_path):
+    """The rank's embedding messages, all in one vectorised call, are each client's own
+    gradient of <v(B_i; eta_v), g_i> (autograd on that client alone), whichever clients
+    share the call."""
+    r = PeFLLRun(config(tmp_path, pefll={"embed": embed}, participation=5), images(), log=quiet)
+    gen = torch.Generator().manual_seed(1)
+    eta_v = r.hub_state["eta_v"]
+    rows = np.arange(5)
+    idx, w = r.batches(rows, 0, 1, 1, 8)
+    x, y = r.train.take(torch.as_tensor(rows), idx[0])
+    w = w[0].clone()
+    w[2, 5:] = 0  # a client whose batch is partly padding
+    g = torch.randn(5, r.dim, generator=gen)
+    out = r.client_embed_grads(eta_v, x, y, w, g)
+    for a in range(5):
+        ev = eta_v.clone().requires_grad_()
+        phi = functional_call(r.embed.module, r.embed.layout.unflatten(ev), (x[a], y[a]))
+        v = (phi * w[a, :, None]).sum(0) / w[a].sum()
+        (want,) = torch.autograd.grad(v @ g[a], ev)
+        torch.testing.assert_close(out[a], want, rtol=1e-5, atol=1e-7)
+    for part in (slice(1, 2), slice(1, 4)):
+        torch.testing.assert_close(
+            r.client_embed_grads(eta_v, x[part], y[part], w[part], g[part]), out[part],
+            rtol=1e-5, atol=1e-7,
+        )  # fmt: skip
+    assert r.client_embed_grads(eta_v, x[:0], y[:0], w[:0], g[:0]).shape == (0, eta_v.numel())
+
+
+def test_the_descriptor_normalization_is_the_first_descriptors_and_kept(tmp_path):
+    """The hub fixes (shift, scale) from the first descriptor it receives, round 0's first
+    participant's (mean and standard deviation of its entries), and keeps them after."""
+    r = PeFLLRun(config(tmp_path), images(), log=quiet)
+    seen = []
+    real = r.hub.normalize
+    r.hub = Recorder(r.hub)
+    r.hub.normalize = lambda state, v: seen.append(v.clone()) or real(state, v)
+    one_round(r, 0)
+    first = (r.hub_state["desc_shift"].clone(), r.hub_state["desc_scale"].clone())
+    torch.testing.assert_close(first[0], seen[0][0].mean())
+    torch.testing.assert_close(first[1], seen[0][0].std())
+    one_round(r, 1)
+    assert len(seen) == 2 and not torch.equal(seen[1][0], seen[0][0])
+    assert torch.equal(r.hub_state["desc_shift"], first[0])
+    assert torch.equal(r.hub_state["desc_scale"], first[1])
+
+
+def test_a_round_waits_for_the_device_only_for_the_finite_check(monkeypatch, tmp_path):
+    """On a GPU the host queues a PeFLL round and waits once, to read whether the hub's
+    models are finite (an error then names the round): the Adam step's count, the
+    normalization's flag and the labels' one-hot stay on the device."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_ops
+
+    r = PeFLLRun(config(tmp_path), images(), log=quiet)
+    one_round(r, 0)
+    with bench_ops.Waits() as mode:
+        one_round(r, 1)
+        one_round(r, 2)
+    assert mode.seen == ["aten._local_scalar_dense.default"] * 2

@@ -22,7 +22,7 @@ client's training data, one forward pass of h, no fine-tuning.
 
 Every step is batched over the round's clients: one forward and one vector-Jacobian product
 of h for all of them (``torch.func.vjp``), one call of the embedding network over all their
-batches (its backward one client at a time: each client's message is its own), and the k
+batches, one vectorised VJP of it (each client's message is its own), and the k
 local steps through the client model's batched layers. Clients are spread over ranks
 (:class:`~gossip_pfl.runtime.placement.Placement`); the hub lives on rank 0, and what it sends
 or receives travels by ``all_reduce_sum`` (the other ranks add zeros).
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from torch import nn
-from torch.func import functional_call, vjp
+from torch.func import functional_call, vjp, vmap
 
 from gossip_pfl import checkpoint
 from gossip_pfl.algorithms.rules import Inbox, Rule, State
@@ -167,9 +167,10 @@ class PeFLLHub(Rule):
         }  # fmt: skip
 
     def update(self, inbox: Inbox, state: State) -> State:
-        step = int(state["step"].item()) + 1
-        bias1, bias2 = 1 - self.beta1**step, (1 - self.beta2**step) ** 0.5
-        new = {**state, "step": state["step"] + 1}
+        step = state["step"] + 1  # on the device: the host does not wait for it
+        t = step.double()  # (the bias corrections in double, as torch.optim's)
+        bias1, bias2 = 1 - self.beta1**t, (1 - self.beta2**t).sqrt()
+        new = {**state, "step": step}
         for net, lam in (("h", self.lambda_h), ("v", self.lambda_v)):
             eta = state[f"eta_{net}"]
             g = inbox.mean["hyper_grad" if net == "h" else "embed_grad"]
@@ -180,19 +181,21 @@ class PeFLLHub(Rule):
             m = state[f"m_{net}"].mul(self.beta1).add_(g, alpha=1 - self.beta1)
             s = state[f"s_{net}"].mul(self.beta2).addcmul_(g, g, value=1 - self.beta2)
             denom = s.sqrt().div_(bias2).add_(self.eps)
-            new[f"eta_{net}"] = eta.addcdiv(m, denom, value=-self.lr / bias1)
+            new[f"eta_{net}"] = eta - torch.div(m, denom, out=denom).mul_(self.lr / bias1)
             new[f"m_{net}"], new[f"s_{net}"] = m, s
         return new
 
     @staticmethod
     def normalize(state: State, v: torch.Tensor) -> State:
         """Fix the descriptor normalization from ``v[0]`` (the first descriptor the hub
-        receives: the public code's choice) unless it is already set."""
-        if state["desc_set"].item():
-            return state
+        receives: the public code's choice) unless it is already set (chosen on the device,
+        so the host does not wait to read the flag)."""
         std = v[0].std() if v.shape[1] > 1 else v.new_ones(())
         std = torch.where(std > 0, std, torch.ones_like(std))
-        return {**state, "desc_shift": v[0].mean(), "desc_scale": std, "desc_set": std * 0 + 1}
+        done = state["desc_set"] > 0
+        return {**state, "desc_shift": torch.where(done, state["desc_shift"], v[0].mean()),
+                "desc_scale": torch.where(done, state["desc_scale"], std),
+                "desc_set": torch.ones_like(state["desc_set"])}  # fmt: skip
 
 
 def hub_models(hyper: Functional, state: State, v: torch.Tensor, eta_h=None) -> torch.Tensor:
@@ -395,16 +398,19 @@ class PeFLLRun(RoundLoop):
 
     def client_embed_grads(self, eta_v, x, y, w, g_v) -> torch.Tensor:
         """The participants of this rank backpropagate their descriptor gradient (A, l)
-        through v(B_i; eta_v): their messages (A, Pv), one VJP per client (a client's own
-        batch alone, so its message does not depend on who shares its rank)."""
-        out = eta_v.new_zeros((len(g_v), eta_v.numel()))
-        for a in range(len(g_v)):
-            one = slice(a, a + 1)
+        through v(B_i; eta_v): their messages (A, Pv). One VJP per client, all of them in
+        one call (``torch.func.vmap``): a client's own batch alone, so its message does not
+        depend on who shares its rank."""
+        if len(g_v) == 0:
+            return eta_v.new_zeros((0, eta_v.numel()))
+
+        def message(x1, y1, w1, g1) -> torch.Tensor:  # one client's, its batch (B, ...)
             pull = self.embed.vjp(
-                lambda ev, one=one: descriptors(self.embed, ev, x[one], y[one], w[one]), eta_v
+                lambda ev: descriptors(self.embed, ev, x1[None], y1[None], w1[None]), eta_v
             )
-            out[a] = pull(g_v[one])[0]
-        return out
+            return pull(g1[None])[0]
+
+        return vmap(message)(x, y, w, g_v)
 
     # ---- PeFLL-predict and evaluation -----------------------------------------------------
     @torch.no_grad()
