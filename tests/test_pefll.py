@@ -124,8 +124,12 @@ def test_hub_gradients_equal_autograd_through_h_of_v(embed, tmp_path):
     assert g_v.abs().sum() > 0 and g_h.abs().sum() > 0
 
 
-def test_hub_update_is_clipped_adam_with_l2():
-    """The hub's step is torch.optim.Adam(weight_decay = 2 lambda) after clip_grad_norm_."""
+@pytest.mark.parametrize("fused", [True, None])
+def test_hub_update_is_clipped_adam_with_l2(fused, monkeypatch):
+    """The hub's step is torch.optim.Adam(weight_decay = 2 lambda) after clip_grad_norm_, in
+    the fused kernel and in torch's default form (builds without the fused CPU kernel); the
+    state it was given stays as it was."""
+    monkeypatch.setattr(pefll, "FUSED_ADAM", fused)
     gen = torch.Generator().manual_seed(0)
     eta_h, eta_v = torch.randn(7, generator=gen), torch.randn(4, generator=gen)
     hub = PeFLLHub(lr=0.01, clip=1.5, lambda_h=0.1, lambda_v=0.02)
@@ -135,7 +139,11 @@ def test_hub_update_is_clipped_adam_with_l2():
             torch.optim.Adam([ref_v], lr=0.01, weight_decay=0.04)]  # fmt: skip
     for _ in range(4):
         gh, gv = 3 * torch.randn(7, generator=gen), 0.1 * torch.randn(4, generator=gen)
-        state = hub.update(Inbox({"hyper_grad": gh, "embed_grad": gv}), state)
+        before = {k: v.clone() for k, v in state.items()}
+        new = hub.update(Inbox({"hyper_grad": gh, "embed_grad": gv}), state)
+        assert all(torch.equal(state[k], v) for k, v in before.items())
+        assert new["step"] == state["step"] + 1
+        state = new
         for p, g, opt in ((ref_h, gh, opts[0]), (ref_v, gv, opts[1])):
             p.grad = g.clone()
             torch.nn.utils.clip_grad_norm_([p], 1.5)
