@@ -432,8 +432,8 @@ class Trainer(RoundLoop):
         if "e_step_q" not in self._held:
             e_step(self.personal["pi"])
         else:
-            self.e_step_graphs((theta.data_ptr(), tuple(theta.shape)), e_step,
-                               self.personal["pi"])  # fmt: skip
+            self.e_step_graphs(tuple(theta.shape), e_step, self.personal["pi"],
+                               places=(theta,))  # fmt: skip
             self.e_step_graphs = self._unless_failed(self.e_step_graphs, "runtime.cuda_graphs",
                                                      "the E-step", "it runs")  # fmt: skip
         return {"pi": self._held["e_step_pi"].clone()}, self._held["e_step_q"]
@@ -618,7 +618,7 @@ class Trainer(RoundLoop):
             reads += [lr_factor] if lr_scale is None else [lr_scale, lr_factor]
         if anchor is not None:
             reads.append(anchor)
-        where = tuple(t.data_ptr() for t in reads)
+        places = tuple(reads)
 
         def step(st, sw) -> None:
             def run(flat, sw, sel=st.sel, shape=st.shape) -> None:
@@ -630,8 +630,8 @@ class Trainer(RoundLoop):
                     solver.step(theta, grad, opt_state, sel, lr_scale, lr_factor, anchor,
                                 record=False)  # fmt: skip
 
-            key = (st.shape, st.sel == slice(None), solver, neg_step is None, where)
-            self.step_graphs(key, run, st.flat, sw)
+            key = (st.shape, st.sel == slice(None), solver, neg_step is None)
+            self.step_graphs(key, run, st.flat, sw, places=places)
 
         return step, anchor
 
@@ -713,7 +713,10 @@ class Trainer(RoundLoop):
             new, state = self.rule.update(inbox, self.rule_state, self.start)
             self.rule_state = {k: _where(act, v, self.rule_state[k]) for k, v in state.items()}
             theta = torch.cat([_where(act, new, self.nodes[:L]), theta[L:]])
-        self.nodes = theta if theta.is_contiguous() else theta.contiguous()
+        if theta.is_contiguous():  # (the exchange's double buffers, in turn; or a new stack)
+            self.nodes = theta
+        else:  # a view of wider message rows: copied into the stack, which keeps its place
+            self.nodes.copy_(theta)  # (a CUDA graph keyed on its address then stays valid)
         if self.client is not None:
             mine = {k: v[:L] for k, v in received.items()}
             self.client_state = self.client.receive(self.client_state, mine)

@@ -963,6 +963,9 @@ GRAPH_CASES = {
     "dfedem, momentum (step sizes by peer), lr schedule": {
         "name": "dfedem", "components": 3, "momentum": 0.5, "lr_decay": [0.5]},
     "fedprox, lr schedule": {"name": "fedprox", "components": 1, "mu": 0.1, "lr_decay": [0.5]},
+    # the hub's rule sends more than the models: the stack is copied from the message rows
+    # into its place (a new tensor each round would take the old one's place or not)
+    "fedexp (the stack from wider rows)": {"name": "fedexp", "components": 1},
 }  # fmt: skip
 
 
@@ -1075,6 +1078,24 @@ def test_a_simulated_graph_reads_what_its_first_call_read():
     state["w"] = base[4:6]
     with pytest.raises(AssertionError, match="or tensors"):
         replay("part", lambda t: out.add_(t * state["w"]), torch.ones(2))
+    # a tensor read by its place (``places``: a round's parameters, which the exchange may
+    # make anew): a new tensor in a freed one's place is read there, as a graph keyed on the
+    # place would; one elsewhere gets a graph of its own
+    memory = np.zeros(2, np.float32)
+    for kept, new_place in ((0, False), (1, False), (1, True)):
+        state["w"] = torch.from_numpy(memory)  # (the last one freed: a new one, same place)
+        if new_place:
+            state["w"] = torch.zeros(2)
+        n = len(replay.graphs)
+        replay("place", lambda t: state["w"].add_(t), torch.ones(2), places=(state["w"],))
+        assert state["w"].tolist() == [1.0, 1.0]
+        assert len(replay.graphs) == n + (kept == 0 or new_place)
+        memory[:] = 0
+    state["w"] = torch.from_numpy(memory)
+    replay("no place", lambda t: state["w"].add_(t), torch.ones(2))
+    state["w"] = torch.from_numpy(memory)  # (the same place, without ``places``)
+    with pytest.raises(AssertionError, match="freed memory"):
+        replay("no place", lambda t: state["w"].add_(t), torch.ones(2))
 
 
 def seven_rounds_half_the_peers_in_two(tr: Trainer) -> Trainer:
@@ -1117,7 +1138,9 @@ def test_graphed_e_step_gives_the_eager_e_steps_bits(case, monkeypatch, tmp_path
     assert torch.equal(eager.personal["pi"], graphed.personal["pi"])
 
 
-@pytest.mark.parametrize("case", ["dfedem (plain SGD)", "fedem, lr schedule"])
+@pytest.mark.parametrize(
+    "case", ["dfedem (plain SGD)", "fedem, lr schedule", "fedexp (the stack from wider rows)"]
+)
 def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp_path):
     """``runtime.cuda_graphs``: the binary linear model's SGD steps and FedEM's E-step as
     graphs, simulated on the CPU in the GPU's dense layout: seven rounds (the step size cut
@@ -1140,12 +1163,14 @@ def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp
                      cpu_kernels=False, sizes=[40, 85, 20, 59, 33, 59])  # fmt: skip
         if graphs:
             tr.forward.graphs = GraphReplay(simulate=True)
-            tr.e_step_graphs = GraphReplay(keep=4, share_pool=True, simulate=True)
+            if tr._graphs_e_step():  # (FedEM's mixture: not FedExP's one model)
+                tr.e_step_graphs = GraphReplay(keep=4, share_pool=True, simulate=True)
         out[graphs] = seven_rounds_half_the_peers_in_two(tr)
     eager, graphed = out[False], out[True]
     assert graphed.forward.graphs.graphs and len(replays) >= 4
     assert torch.equal(eager.nodes, graphed.nodes)
-    assert torch.equal(eager.personal["pi"], graphed.personal["pi"])
+    for k in eager.personal:
+        assert torch.equal(eager.personal[k], graphed.personal[k])
 
 
 @pytest.mark.parametrize("forms", [(), ("cpu",)])
@@ -1324,11 +1349,11 @@ def test_a_failed_capture_leaves_the_steps_eager_and_says_so(tmp_path):
     class FailsOnce(GraphReplay):
         calls = 0
 
-        def __call__(self, key, fn, *inputs) -> None:
+        def __call__(self, key, fn, *inputs, places=()) -> None:
             self.calls += 1
             if self.calls == 3:  # (a round has two steps of every peer, graphed)
                 self.failure = "operation not permitted when stream is capturing"
-            super().__call__(key, fn, *inputs)
+            super().__call__(key, fn, *inputs, places=places)
 
     case, sizes = GRAPH_CASES["fedem, momentum, decay, lr schedule"], [40, 85, 20, 59, 33, 59]
     eager = rounds(trainer(tmp_path / "eager", "vmap", case, sizes=sizes), 3)

@@ -115,17 +115,18 @@ class _Recorded:
     (every empty storage lies at address 0) and a new tensor over the same memory (a
     ``from_numpy`` of a kept array) count as freed."""
 
-    def __init__(self, fn: Callable[..., None], inputs: tuple) -> None:
+    def __init__(self, fn: Callable[..., None], inputs: tuple, places: frozenset = frozenset()):
         self.inputs = inputs
         with _HostValues() as seen:
             fn(*inputs)
         self.ops, self.held = seen.ops, seen.held
+        self.places = places  # storages read by their place (in the key): may be replaced
 
     def replay(self, fn: Callable[..., None]) -> None:
         with torch.profiler.record_function(SIMULATED_REPLAY), _HostValues() as seen:
             fn(*self.inputs)
-        freed = next((i for i, op in enumerate(self.ops)
-                      if any(self.held[p].expired() for p, *_ in op[2])), None)  # fmt: skip
+        freed = next((i for i, op in enumerate(self.ops) if any(
+            self.held[p].expired() for p, *_ in op[2] if p not in self.places)), None)  # fmt: skip
         if freed is not None:
             raise AssertionError(
                 f"a graph would read freed memory: operation {freed} ({self.ops[freed][0]}) "
@@ -181,7 +182,15 @@ class GraphReplay:
         self.failure: str | None = None
         self._stream = None  # the captures' side stream
 
-    def __call__(self, key: Hashable, fn: Callable[..., None], *inputs: torch.Tensor) -> None:
+    def __call__(
+        self, key: Hashable, fn: Callable[..., None], *inputs: torch.Tensor,
+        places: tuple[torch.Tensor, ...] = (),
+    ) -> None:  # fmt: skip
+        """``places``: held tensors ``fn`` reads by their place in memory (a round's
+        parameters, which the exchange may replace by a new tensor each round): their
+        addresses join ``key``, so a graph replays on whatever tensor lies there now, and a
+        tensor elsewhere gets a graph of its own."""
+        key = (key, tuple(t.data_ptr() for t in places))
         if self.failure is not None:
             fn(*inputs)
             return
@@ -199,7 +208,8 @@ class GraphReplay:
             self.graphs.popitem(last=False)
         mine = tuple(t.clone() for t in inputs)
         if self.simulate:
-            self.graphs[key] = (_Recorded(fn, mine), mine)  # (runs fn once)
+            spots = frozenset(_storage(t) for t in places)
+            self.graphs[key] = (_Recorded(fn, mine, spots), mine)  # (runs fn once)
             return
         if self._stream is None:
             self._stream = torch.cuda.Stream()

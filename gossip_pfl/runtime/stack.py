@@ -331,9 +331,9 @@ class BatchedForward:
         graphed = self.graphs is not None and (theta.is_cuda or self.graphs.simulate)
         if graphed and min(host.sizes) == len(theta):
             split.device_offsets, split.neg_labels  # noqa: B018 - made before, not in, a graph
-            key = (tuple(host.sizes), theta.data_ptr(), split.augmented.data_ptr(),
-                   tuple(t.shape for t in inputs))  # fmt: skip
-            self.graphs(key, partial(steps, shared_buffer=False), *inputs)
+            key = (tuple(host.sizes), tuple(t.shape for t in inputs))
+            self.graphs(key, partial(steps, shared_buffer=False), *inputs,
+                        places=(theta, split.augmented))  # fmt: skip
         else:
             steps(*inputs)
 
