@@ -712,8 +712,8 @@ class Trainer(RoundLoop):
             inbox = Inbox({k: v[:L] for k, v in received.items()})
             new, state = self.rule.update(inbox, self.rule_state, self.start)
             self.rule_state = {k: _where(act, v, self.rule_state[k]) for k, v in state.items()}
-            theta = torch.cat([_where(act, new, self.nodes[:L]), theta[L:]])
-        if theta.is_contiguous():  # (the exchange's double buffers, in turn; or a new stack)
+            theta[:L] = _where(act, new, self.nodes[:L])  # (in the received rows' place)
+        if theta.is_contiguous():  # the exchange's double buffers, taken in turn
             self.nodes = theta
         else:  # a view of wider message rows: copied into the stack, which keeps its place
             self.nodes.copy_(theta)  # (a CUDA graph keyed on its address then stays valid)

@@ -46,6 +46,8 @@ CASES = {
 
 def trainer(tmp_path, batching: str, algorithm: dict, task: str = "binary",
             device: str = "cpu", sizes: list | None = None, **runtime) -> Trainer:  # fmt: skip
+    algorithm = dict(algorithm)
+    rule = algorithm.pop("rule", None)  # (a case's rule section, beside its algorithm)
     name = algorithm["name"]
     gossip = name in ("dfedem", "dsgd")
     cfg = load_config(
@@ -53,6 +55,7 @@ def trainer(tmp_path, batching: str, algorithm: dict, task: str = "binary",
             "seed": 3,
             "rounds": 3,
             "algorithm": {"batch_size": 16, "lr": 0.2, **algorithm},
+            **({"rule": rule} if rule else {}),
             **({"schedule": {"graph": "ring", "weights": "metropolis"}} if gossip else {}),
             "runtime": {"device": device, "batching": batching, **runtime},
             "out": str(tmp_path / batching),
@@ -966,6 +969,9 @@ GRAPH_CASES = {
     # the hub's rule sends more than the models: the stack is copied from the message rows
     # into its place (a new tensor each round would take the old one's place or not)
     "fedexp (the stack from wider rows)": {"name": "fedexp", "components": 1},
+    # each peer's rule after the mix: written into the received rows, the exchange's buffers
+    "dsgd, each peer's fedexp rule": {"name": "dsgd", "components": 1,
+                                      "rule": {"name": "fedexp"}},
 }  # fmt: skip
 
 
@@ -1139,7 +1145,13 @@ def test_graphed_e_step_gives_the_eager_e_steps_bits(case, monkeypatch, tmp_path
 
 
 @pytest.mark.parametrize(
-    "case", ["dfedem (plain SGD)", "fedem, lr schedule", "fedexp (the stack from wider rows)"]
+    "case",
+    [
+        "dfedem (plain SGD)",
+        "fedem, lr schedule",
+        "fedexp (the stack from wider rows)",
+        "dsgd, each peer's fedexp rule",
+    ],
 )
 def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp_path):
     """``runtime.cuda_graphs``: the binary linear model's SGD steps and FedEM's E-step as
