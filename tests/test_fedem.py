@@ -3,6 +3,8 @@ against each other, and the numerical edge cases."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -195,6 +197,44 @@ def test_unseen_em_matches_closed_form():
     p = np.linspace(0, 1, 200001)
     f = 0.5 * np.log(0.9 * p + 0.1 * (1 - p)) + 0.5 * np.log(0.2 * p + 0.8 * (1 - p))
     assert pi[0, 0].item() == pytest.approx(p[np.argmax(f)], abs=1e-4)
+
+
+def _em_reference(losses, mask, iters, tol):
+    """fit_mixture_weights as first written: the stop read after every iteration."""
+    lik = torch.exp(-(losses - losses.min(dim=1, keepdim=True).values)).double()
+    weight = mask.double() / mask.sum(-1, keepdim=True).clamp_min(1)
+    pi = torch.full(lik.shape[:2], 1.0 / lik.shape[1], dtype=torch.float64)
+    for k in range(iters):
+        denom = torch.einsum("lmn,lm->ln", lik, pi).clamp_min(1e-300)
+        new = pi * torch.einsum("lmn,ln->lm", lik, weight / denom)
+        new = torch.where(mask.sum(-1, keepdim=True) > 0, new, pi)
+        done = bool((new - pi).abs().max() < tol)
+        pi = new
+        if done:
+            return pi.float(), k + 1
+    return pi.float(), iters
+
+
+@pytest.mark.parametrize("tol", [1e-2, 3e-4, 1e-12])
+def test_unseen_em_reads_its_stop_rarely_and_stops_where_it_did(tol, monkeypatch):
+    """The unseen clients' EM reads whether it stopped once every CHECK_EVERY iterations (a
+    wait for a GPU each), and gives the pi of the iteration that stopped, bit for bit: one
+    that stops early, one later, one that runs out of iterations."""
+    from gossip_pfl.algorithms import mixture
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    import bench_ops
+
+    gen = torch.Generator().manual_seed(4)
+    losses = torch.rand(5, 3, 40, generator=gen) * 3
+    mask = (torch.rand(5, 40, generator=gen) < 0.8).float()
+    mask[3] = 0  # a client without samples keeps uniform weights
+    want, stopped_at = _em_reference(losses, mask, 300, tol)
+    with bench_ops.Waits() as mode:
+        got = fit_mixture_weights(losses, mask, 300, tol)
+    assert torch.equal(got, want)
+    assert len(mode.seen) == min(-(-stopped_at // mixture.CHECK_EVERY), 300 // 16)
+    assert {1e-2: stopped_at < 16, 3e-4: 16 < stopped_at < 300, 1e-12: stopped_at == 300}[tol]
 
 
 def test_nan_learning_rate_names_round_and_peer(tmp_path):
