@@ -712,7 +712,9 @@ class Trainer(RoundLoop):
             inbox = Inbox({k: v[:L] for k, v in received.items()})
             new, state = self.rule.update(inbox, self.rule_state, self.start)
             self.rule_state = {k: _where(act, v, self.rule_state[k]) for k, v in state.items()}
-            theta[:L] = _where(act, new, self.nodes[:L])  # (in the received rows' place)
+            # in the received rows' place; the peers' clients below receive the rule's
+            # models, as from a hub
+            theta[:L] = _where(act, new, self.nodes[:L])
         if theta.is_contiguous():  # the exchange's double buffers, taken in turn
             self.nodes = theta
         else:  # a view of wider message rows: copied into the stack, which keeps its place

@@ -129,7 +129,7 @@ def test_hub_update_is_clipped_adam_with_l2(fused, monkeypatch):
     """The hub's step is torch.optim.Adam(weight_decay = 2 lambda) after clip_grad_norm_, in
     the fused kernel and in torch's default form (builds without the fused CPU kernel); the
     state it was given stays as it was."""
-    monkeypatch.setattr(pefll, "FUSED_ADAM", fused)
+    monkeypatch.setattr(pefll, "fused_adam", lambda device_type: fused)
     gen = torch.Generator().manual_seed(0)
     eta_h, eta_v = torch.randn(7, generator=gen), torch.randn(4, generator=gen)
     hub = PeFLLHub(lr=0.01, clip=1.5, lambda_h=0.1, lambda_v=0.02)
@@ -282,8 +282,8 @@ def test_local_steps_in_pieces_at_once_equal_all_clients_at_once(threads, tmp_pa
 @pytest.mark.parametrize("embed", ["lenet", "labels"])
 def test_each_clients_embed_message_is_its_own_vjp(embed, tmp_path):
     """The rank's embedding messages, all in one vectorised call, are each client's own
-    gradient of <v(B_i; eta_v), g_i> (autograd on that client alone), whichever clients
-    share the call."""
+    gradient of <v(B_i; eta_v), g_i> (autograd on that client alone), the same bits whichever
+    clients share the call (a lone client's too)."""
     r = PeFLLRun(config(tmp_path, pefll={"embed": embed}, participation=5), images(), log=quiet)
     gen = torch.Generator().manual_seed(1)
     eta_v = r.hub_state["eta_v"]
@@ -300,11 +300,9 @@ def test_each_clients_embed_message_is_its_own_vjp(embed, tmp_path):
         v = (phi * w[a, :, None]).sum(0) / w[a].sum()
         (want,) = torch.autograd.grad(v @ g[a], ev)
         torch.testing.assert_close(out[a], want, rtol=1e-5, atol=1e-7)
-    for part in (slice(1, 2), slice(1, 4)):
-        torch.testing.assert_close(
-            r.client_embed_grads(eta_v, x[part], y[part], w[part], g[part]), out[part],
-            rtol=1e-5, atol=1e-7,
-        )  # fmt: skip
+    for part in (slice(1, 2), slice(4, 5), slice(1, 4), slice(3, 5)):  # the same bits
+        assert torch.equal(r.client_embed_grads(eta_v, *(t[part] for t in (x, y, w, g))),
+                           out[part])  # fmt: skip
     assert r.client_embed_grads(eta_v, x[:0], y[:0], w[:0], g[:0]).shape == (0, eta_v.numel())
 
 
@@ -329,7 +327,10 @@ def test_the_descriptor_normalization_is_the_first_descriptors_and_kept(tmp_path
 def test_a_round_waits_for_the_device_only_for_the_finite_check(monkeypatch, tmp_path):
     """On a GPU the host queues a PeFLL round and waits once, to read whether the hub's
     models are finite (an error then names the round): the Adam step's count, the
-    normalization's flag and the labels' one-hot stay on the device."""
+    normalization's flag and the labels' one-hot stay on the device (with torch.optim's fused
+    Adam kernel; a build without it on this device reads the step count)."""
+    if pefll.fused_adam("cpu") is None:
+        pytest.skip("no fused Adam kernel on the CPU in this PyTorch build (from 2.4)")
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parent.parent / "benchmarks"))
     import bench_ops
 

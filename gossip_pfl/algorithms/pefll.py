@@ -30,6 +30,7 @@ or receives travels by ``all_reduce_sum`` (the other ranks add zeros).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,9 +60,21 @@ KINDS = ("embed_params", "descriptor", "client_model", "model_delta", "descripto
 #: what a checkpoint of a PeFLL run holds (clients hold nothing)
 CHECKPOINT_KEYS = ("rounds_done", "config", "hub", "times", "kind_bytes", "rows")
 _STREAM_STEPS, _STREAM_DESCRIPTOR = 0, 1  # separate minibatch streams per (peer, round)
-#: the hub's Adam step in torch.optim's fused kernel (one pass over the 8.7M-entry
-#: hypernetwork; on CPUs from PyTorch 2.4); older builds take torch.optim's default form
-FUSED_ADAM = True if tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 4) else None
+
+
+@functools.cache
+def fused_adam(device_type: str) -> bool | None:
+    """Whether torch.optim's fused Adam kernel runs on ``device_type`` (one pass over the
+    8.7M-entry hypernetwork; CPUs from PyTorch 2.4, GPUs earlier): True, else None (torch's
+    default form). Found by trying it on one entry, not from the version string."""
+    one = torch.zeros(1, device=device_type)
+    try:
+        adam([one], [one + 1], [one.clone()], [one.clone()], [], [one[0].clone()], fused=True,
+             amsgrad=False, beta1=0.9, beta2=0.999, lr=0.1, weight_decay=0.0, eps=1e-8,
+             maximize=False)  # fmt: skip
+    except RuntimeError:
+        return None
+    return True
 
 
 # ---- networks ------------------------------------------------------------------------------
@@ -177,12 +190,14 @@ class PeFLLHub(Rule):
             if self.clip:  # as clip_grad_norm_: scale by clip / (norm + 1e-6) when above
                 g = g * (self.clip / (g.norm() + 1e-6)).clamp(max=1.0)
             # torch.optim.Adam's step on copies (it works in place; the state is explicit),
-            # its step count on the device: the host does not wait to read it
+            # its step count on the device: the host does not wait to read it (the default
+            # form reads it unless capturable, which only GPUs take)
             eta, m, s, step = (state[k].clone() for k in (f"eta_{net}", f"m_{net}", f"s_{net}",
                                                           "step"))  # fmt: skip
-            adam([eta], [g], [m], [s], [], [step], fused=FUSED_ADAM, amsgrad=False,
-                 beta1=self.beta1, beta2=self.beta2, lr=self.lr, weight_decay=2 * lam,
-                 eps=self.eps, maximize=False)  # fmt: skip
+            fused = fused_adam(eta.device.type)
+            adam([eta], [g], [m], [s], [], [step], fused=fused, amsgrad=False,
+                 capturable=not fused and eta.is_cuda, beta1=self.beta1, beta2=self.beta2,
+                 lr=self.lr, weight_decay=2 * lam, eps=self.eps, maximize=False)  # fmt: skip
             new.update({f"eta_{net}": eta, f"m_{net}": m, f"s_{net}": s, "step": step})
         return new
 
@@ -401,9 +416,14 @@ class PeFLLRun(RoundLoop):
         """The participants of this rank backpropagate their descriptor gradient (A, l)
         through v(B_i; eta_v): their messages (A, Pv). One VJP per client, all of them in
         one call (``torch.func.vmap``): a client's own batch alone, so its message does not
-        depend on who shares its rank."""
+        depend on who shares its rank (to the bit on a CPU, tested; a GPU's convolutions may
+        choose kernels by batch size). A lone client runs as two lanes, itself twice: a batch
+        of one takes other CPU kernels, 2e-8 apart with the LeNet embedding."""
         if len(g_v) == 0:
             return eta_v.new_zeros((0, eta_v.numel()))
+        if len(g_v) == 1:
+            two = (t.expand(2, *t.shape[1:]) for t in (x, y, w, g_v))
+            return self.client_embed_grads(eta_v, *two)[:1]
 
         def message(x1, y1, w1, g1) -> torch.Tensor:  # one client's, its batch (B, ...)
             pull = self.embed.vjp(
