@@ -512,7 +512,7 @@ class Trainer(RoundLoop):
                 eta = not self._eta_by_round  # (else recorded after the steps, in peer order)
                 self.solver.permute_rows(opt_state, order, eta)
                 undo.append(lambda: self.solver.permute_rows(opt_state, back, eta))
-            self._plan_steps(plan, order is not None, theta, q, opt_state, scale, factor,
+            self._plan_steps(plan, order, theta, q, opt_state, scale, factor,
                              personal, plain)  # fmt: skip
         except BaseException as err:
             traceback.clear_frames(err.__traceback__)  # the steps' tensors: room to put back
@@ -524,12 +524,12 @@ class Trainer(RoundLoop):
             self._record_eta(opt_state, factor, taken)
 
     def _plan_steps(
-        self, plan, reordered, theta, q, opt_state, scale, factor, personal, plain
+        self, plan, order, theta, q, opt_state, scale, factor, personal, plain
     ) -> None:  # fmt: skip
-        """:meth:`local_steps`' steps of a :func:`step_plan` on ``theta`` (``reordered``: in
-        the plan's order, each step's peers a slice); ``scale`` is each peer's step-size
-        multiplier in the same order."""
-        L, a = len(self.peers), self.cfg.algorithm
+        """:meth:`local_steps`' steps of a :func:`step_plan` on ``theta`` (``order`` not None:
+        in the plan's order, the peers at each row, each step's peers a slice); ``scale`` is
+        each peer's step-size multiplier in the same order."""
+        L, a, reordered = len(self.peers), self.cfg.algorithm, order is not None
         qt = None
         if q is not None:  # (L * N, M): a step's responsibilities are one index_select
             qt = q.expand(L, self.M, -1).transpose(1, 2).reshape(-1, self.M)
@@ -537,7 +537,7 @@ class Trainer(RoundLoop):
         # scatter-add per step, the step size c of every peer worked out once per round
         neg_step = -(self.solver.lr * factor) * scale[:, None, None] if plain else None
         scale = None if self.unit_scale else scale  # the solver's: None, 1 for every peer
-        graph, anchor = self._step_graph(theta, opt_state, scale, factor, neg_step)
+        graph, anchor = self._step_graph(theta, opt_state, scale, factor, neg_step, order)
         if anchor is None and self.solver.prox_mu:
             anchor = theta.clone()
         for st in plan:
@@ -587,20 +587,22 @@ class Trainer(RoundLoop):
         self.step_graphs = self._unless_failed(self.step_graphs, "runtime.cuda_graph_steps",
                                                "a step", "the steps run")  # fmt: skip
 
-    def _step_graph(self, theta, opt_state, scale, factor: float, neg_step):
+    def _step_graph(self, theta, opt_state, scale, factor: float, neg_step, order):
         """This round's steps as CUDA graphs (``runtime.cuda_graph_steps``): a function
         ``(step, sw)`` that runs a step whose peers are a slice of the stack (the samples'
         gather, the gradient, the solver's update) as the graph of its shape, captured at its
-        first call; and FedProx's anchor. None for models without their own batched layers
-        (:attr:`BatchedForward.by_parameter`: the LSTM, MobileNet), and where a step reads
+        first call; and FedProx's anchor. None for models without their own batched layers or
+        the linear model's closed form (both read only their arguments; the others swap a
+        module's parameters: the LSTM, MobileNet), and where a step reads
         more than tensors whose places stay put: a loss kept for the rule (FedLi), a line
-        search, a client's correction (SCAFFOLD), a personal model (pFedMe, APFL), another
-        solver. The round's step sizes and anchor are copied into tensors held across rounds
-        (``_hold``), which the graphs read: a value taken from the host at capture would stay
-        the first round's (the lr schedule's factor)."""
-        if (self.step_graphs is None or not self.forward.by_parameter or self.track_loss
-                or self.line_search or self.client is not None
-                or type(self.solver) is not LocalSGD
+        search, a personal model (pFedMe, APFL), another solver. The round's step sizes,
+        anchor and clients' corrections (SCAFFOLD's c - c_i, in the stack's ``order``) are
+        copied into tensors held across rounds (``_hold``), which the graphs read: a value
+        taken from the host at capture would stay the first round's (the lr schedule's
+        factor), and a tensor made anew each round would be elsewhere."""
+        if (self.step_graphs is None or self.track_loss
+                or self.line_search or type(self.solver) is not LocalSGD
+                or not (self.forward.by_parameter or self.forward.closed_form)
                 or getattr(self.surrogate, "step_reads_personal", True)):  # fmt: skip
             return None, None
         solver, train = self.solver, self.train
@@ -618,6 +620,11 @@ class Trainer(RoundLoop):
             reads += [lr_factor] if lr_scale is None else [lr_scale, lr_factor]
         if anchor is not None:
             reads.append(anchor)
+        correction = None
+        if self.client is not None:  # fixed within a round (the state changes after it)
+            rows = slice(None) if order is None else order
+            correction = self._hold("correction", self.client.correction(self.client_state, rows))
+            reads.append(correction)
         places = tuple(reads)
 
         def step(st, sw) -> None:
@@ -627,7 +634,8 @@ class Trainer(RoundLoop):
                 if neg_step is not None:
                     theta[sel].add_(neg[sel] * grad)
                 else:
-                    solver.step(theta, grad, opt_state, sel, lr_scale, lr_factor, anchor,
+                    corr = None if correction is None else correction[sel]
+                    solver.step(theta, grad, opt_state, sel, lr_scale, lr_factor, anchor, corr,
                                 record=False)  # fmt: skip
 
             key = (st.shape, st.sel == slice(None), solver, neg_step is None)

@@ -972,6 +972,9 @@ GRAPH_CASES = {
     # each peer's rule after the mix: written into the received rows, the exchange's buffers
     "dsgd, each peer's fedexp rule": {"name": "dsgd", "components": 1,
                                       "rule": {"name": "fedexp"}},
+    # each client's correction, fixed in a round: held in the stack's order
+    "scaffold, momentum, lr schedule": {"name": "scaffold", "components": 1, "momentum": 0.5,
+                                        "lr_decay": [0.5]},
 }  # fmt: skip
 
 
@@ -1185,21 +1188,32 @@ def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp
         assert torch.equal(eager.personal[k], graphed.personal[k])
 
 
+#: the linear model's closed form takes the step graphs where its steps are not plain SGD
+#: (plain ones are the fused linear round, graphed by runtime.cuda_graphs)
+CLOSED_FORM_GRAPH_CASES = ["fedem, momentum, decay, lr schedule", "fedprox, lr schedule",
+                           "dfedem, momentum (step sizes by peer), lr schedule",
+                           "scaffold, momentum, lr schedule"]  # fmt: skip
+
+
 @pytest.mark.parametrize("forms", [(), ("cpu",)])
 @pytest.mark.parametrize("reorder", [(), ("cpu",)])
-@pytest.mark.parametrize("case", list(GRAPH_CASES))
-def test_graphed_steps_give_the_eager_steps_bits(case, reorder, forms, monkeypatch, tmp_path):
-    """``runtime.cuda_graph_steps`` (the local steps as a CUDA graph per step shape),
-    simulated on the CPU: where a graph would replay, this call's step runs on the graph's
-    buffers and must read what the graph would, the first call's host values and held
-    tensors, none freed since (``GraphReplay(simulate=True)``). Four rounds, the step size
-    cut tenfold after two: the same bits as the eager steps in parameters, momentum, step
-    sizes and mixture weights, so nothing a graph would read stays the first round's (the
-    schedule's factor, each round's step sizes, FedProx's anchor). A gathered plan with
-    every peer (its steps of all peers graphed, the others eager) and a reordered one with
-    half the peers a round (every step graphed). With the GPU's solver forms too
-    (``solver.FUSED_ON``, forced here): torch.optim.SGD's fused kernel where every peer
-    takes one step size, its step size a tensor from the held factor."""
+@pytest.mark.parametrize("case, batching", [(c, "vmap") for c in GRAPH_CASES]
+                         + [(c, "auto") for c in CLOSED_FORM_GRAPH_CASES])  # fmt: skip
+def test_graphed_steps_give_the_eager_steps_bits(
+    case, batching, reorder, forms, monkeypatch, tmp_path
+):
+    """``runtime.cuda_graph_steps`` (the local steps as a CUDA graph per step shape), simulated on
+    the CPU, through the model's batched layers and the linear model's closed form (the GPU's
+    torch operations, no compiled loops): where a graph would replay, this call's step runs on
+    the graph's buffers and must read what the graph would, the first call's host values and
+    held tensors, none freed since (``GraphReplay(simulate=True)``). Four rounds, the step size
+    cut tenfold after two: the same bits as the eager steps in parameters, momentum, step sizes,
+    mixture weights and SCAFFOLD's control variates, so nothing a graph would read stays the
+    first round's (the schedule's factor, each round's step sizes, FedProx's anchor, SCAFFOLD's
+    corrections). A gathered plan with every peer (its steps of all peers graphed, the others
+    eager) and a reordered one with half the peers a round (every step graphed). With the GPU's
+    solver forms too (``solver.FUSED_ON``, forced here): torch.optim.SGD's fused kernel where
+    every peer takes one step size, its step size a tensor from the held factor."""
     import gossip_pfl.train as train
     from gossip_pfl.runtime import solver
     from gossip_pfl.runtime.graphs import GraphReplay, _Recorded
@@ -1210,8 +1224,9 @@ def test_graphed_steps_give_the_eager_steps_bits(case, reorder, forms, monkeypat
     monkeypatch.setattr(_Recorded, "replay", lambda self, fn: replays.append(replay(self, fn)))
     out = {}
     for graphs in (False, True):
-        tr = trainer(tmp_path / str(graphs), "vmap", GRAPH_CASES[case],
+        tr = trainer(tmp_path / str(graphs), batching, GRAPH_CASES[case], cpu_kernels=False,
                      sizes=[40, 85, 20, 59, 33, 59])  # fmt: skip
+        assert tr.forward.closed_form is (batching == "auto")
         if reorder:  # (a gathered plan's steps of some peers are eager)
             tr.cfg.participation, tr.n_active = 0.5, 3
         tr.step_graphs = GraphReplay(keep=1024, simulate=True) if graphs else None
@@ -1229,6 +1244,8 @@ def test_graphed_steps_give_the_eager_steps_bits(case, reorder, forms, monkeypat
     assert torch.equal(eager.opt_state.eta, graphed.opt_state.eta)
     for k in eager.personal:
         assert torch.equal(eager.personal[k], graphed.personal[k])
+    for k in eager.client_state:  # (SCAFFOLD's c_i and c)
+        assert torch.equal(eager.client_state[k], graphed.client_state[k])
 
 
 @pytest.mark.parametrize("forms", [(), ("cpu",)])
@@ -1282,6 +1299,8 @@ ROUND_OPS = {False: 34, True: 25}
      ("dfedem (fused SGD update)", "auto", 3, False),
      ("fedem, momentum, decay, lr schedule", "vmap", 3, False),
      ("fedprox, lr schedule", "vmap", 6, False),
+     ("fedprox, lr schedule", "auto", 6, False),
+     ("scaffold, momentum, lr schedule", "vmap", 3, False),
      ("fedli_ls (line search)", "vmap", 6, True)],
 )  # fmt: skip
 def test_a_gpu_round_does_not_wait_for_the_device(
@@ -1383,12 +1402,12 @@ def test_a_failed_capture_leaves_the_steps_eager_and_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("case, batching", [
-    ("fedli_ls (line search)", "vmap"), ("scaffold (a correction per peer)", "vmap"),
-    ("apfl (personal rows)", "vmap"), ("dfedem, momentum and decay", "loop")])  # fmt: skip
+    ("fedli_ls (line search)", "vmap"), ("apfl (personal rows)", "vmap"),
+    ("dfedem, momentum and decay", "loop")])  # fmt: skip
 def test_steps_that_read_more_than_tensors_are_not_graphed(case, batching, tmp_path):
-    """A line search, a client's correction and a personal model read values a graph could
-    not hold, and a model without its own batched layers (here run by the per-peer loop)
-    is left alone: their steps stay eager under runtime.cuda_graph_steps."""
+    """A line search and a personal model read values a graph could not hold, and a model
+    without its own batched layers (here run by the per-peer loop) is left alone: their
+    steps stay eager under runtime.cuda_graph_steps."""
     from gossip_pfl.runtime.graphs import GraphReplay
 
     tr = trainer(tmp_path, batching, REORDER_CASES[case])
