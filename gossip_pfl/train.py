@@ -499,9 +499,9 @@ class Trainer(RoundLoop):
         plan, order = step_plan(
             idx, weight, self.train.y.shape[1], self.device, prefix, self.uploads
         )
-        # reordered (order not None): for the steps, the stack and the solver's state hold the
-        # peers in that order, in place (a copy each, each step's peers a slice of it); the
-        # rest is indexed by the peers (rows)
+        # reordered (order not None): for the steps, the stack, the solver's state and the
+        # personal rows a step reads hold the peers in that order, in place (a copy each,
+        # each step's peers a slice of it); the rest is indexed by the peers (rows)
         scale = self.lr_scale if order is None else self.lr_scale[order]
         undo = []  # what is in the plan's order, put back after the steps (or an error)
         try:
@@ -512,6 +512,11 @@ class Trainer(RoundLoop):
                 eta = not self._eta_by_round  # (else recorded after the steps, in peer order)
                 self.solver.permute_rows(opt_state, order, eta)
                 undo.append(lambda: self.solver.permute_rows(opt_state, back, eta))
+                if getattr(self.surrogate, "step_reads_personal", True):
+                    mine = [v for v in personal.values() if v.shape[:1] == (L,)]
+                    for v in mine:
+                        v.copy_(v[order])
+                    undo.append(lambda: [v.copy_(v[back]) for v in mine])
             self._plan_steps(plan, order, theta, q, opt_state, scale, factor,
                              personal, plain)  # fmt: skip
         except BaseException as err:
@@ -537,7 +542,8 @@ class Trainer(RoundLoop):
         # scatter-add per step, the step size c of every peer worked out once per round
         neg_step = -(self.solver.lr * factor) * scale[:, None, None] if plain else None
         scale = None if self.unit_scale else scale  # the solver's: None, 1 for every peer
-        graph, anchor = self._step_graph(theta, opt_state, scale, factor, neg_step, order)
+        graph, anchor = self._step_graph(theta, opt_state, scale, factor, neg_step, order,
+                                         personal)  # fmt: skip
         if anchor is None and self.solver.prox_mu:
             anchor = theta.clone()
         for st in plan:
@@ -555,7 +561,7 @@ class Trainer(RoundLoop):
                 graph(st, sw)
                 continue
             x, y = self.train.take_flat(st.flat, st.shape)
-            grad, loss = self.surrogate.shared_grad(self, theta[sel], personal, rows, x, y, sw)
+            grad, loss = self.surrogate.shared_grad(self, theta[sel], personal, sel, x, y, sw)
             if plain:
                 if isinstance(sel, slice):
                     theta[sel].add_(neg_step[sel] * grad)
@@ -587,27 +593,29 @@ class Trainer(RoundLoop):
         self.step_graphs = self._unless_failed(self.step_graphs, "runtime.cuda_graph_steps",
                                                "a step", "the steps run")  # fmt: skip
 
-    def _step_graph(self, theta, opt_state, scale, factor: float, neg_step, order):
+    def _step_graph(self, theta, opt_state, scale, factor: float, neg_step, order, personal):
         """This round's steps as CUDA graphs (``runtime.cuda_graph_steps``): a function
         ``(step, sw)`` that runs a step whose peers are a slice of the stack (the samples'
         gather, the gradient, the solver's update) as the graph of its shape, captured at its
         first call; and FedProx's anchor. None for models without their own batched layers or
         the linear model's closed form (both read only their arguments; the others swap a
-        module's parameters: the LSTM, MobileNet), and where a step reads
-        more than tensors whose places stay put: a loss kept for the rule (FedLi), a line
-        search, a personal model (pFedMe, APFL), another solver. The round's step sizes,
+        module's parameters: the LSTM, MobileNet), and where a step reads more than tensors
+        whose places stay put: a loss kept for the rule (FedLi), a line search, another
+        solver. (pFedMe's and APFL's personal rows are read and written in place, in the
+        stack's order.) The round's step sizes,
         anchor and clients' corrections (SCAFFOLD's c - c_i, in the stack's ``order``) are
         copied into tensors held across rounds (``_hold``), which the graphs read: a value
         taken from the host at capture would stay the first round's (the lr schedule's
         factor), and a tensor made anew each round would be elsewhere."""
         if (self.step_graphs is None or self.track_loss
                 or self.line_search or type(self.solver) is not LocalSGD
-                or not (self.forward.by_parameter or self.forward.closed_form)
-                or getattr(self.surrogate, "step_reads_personal", True)):  # fmt: skip
+                or not (self.forward.by_parameter or self.forward.closed_form)):  # fmt: skip
             return None, None
         solver, train = self.solver, self.train
         # what a graph reads, by its place: a new place (another stack) is another graph
         reads = [theta, opt_state.momentum, train.x, train.y]
+        if getattr(self.surrogate, "step_reads_personal", True):
+            reads += list(personal.values())
         anchor = self._hold("anchor", theta) if solver.prox_mu else None
         if neg_step is not None:
             neg = self._hold("neg_step", neg_step)
@@ -630,7 +638,7 @@ class Trainer(RoundLoop):
         def step(st, sw) -> None:
             def run(flat, sw, sel=st.sel, shape=st.shape) -> None:
                 x, y = train.take_flat(flat, shape)
-                grad, _ = self.surrogate.shared_grad(self, theta[sel], None, None, x, y, sw)
+                grad, _ = self.surrogate.shared_grad(self, theta[sel], personal, sel, x, y, sw)
                 if neg_step is not None:
                     theta[sel].add_(neg[sel] * grad)
                 else:

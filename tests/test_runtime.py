@@ -875,6 +875,35 @@ def test_unseen_clients_fine_tune_their_personal_models(name, tmp_path):
     assert (np.abs(nll - plain_nll) > 1e-4).all()  # both personal models were tuned and used
 
 
+@pytest.mark.parametrize("name", ["pfedme", "apfl"])
+@pytest.mark.parametrize("batching", ["auto", "vmap"])
+def test_a_personal_step_takes_its_rows_as_a_slice_or_as_indices(name, batching, tmp_path):
+    """pFedMe's and APFL's step on the personal rows of some peers: given as a slice (views,
+    read and written in place: the trainer keeps them in the stack's order for a round) or
+    as the same rows' indices (copies), the same gradient, loss and personal state, and the
+    other peers' rows untouched."""
+    cfg = make_cfg(tmp_path, "server", name, personal_lr=0.05)
+    cfg.runtime.device, cfg.runtime.batching = "cpu", batching
+    tr = Trainer(cfg, dataset=toy_dataset(8), log=lambda *a: None)
+    gen = torch.Generator().manual_seed(0)
+    for v in tr.personal.values():  # personal rows unlike the shared model's
+        v.add_(torch.rand(v.shape, generator=gen) * (0.5 if v.ndim == 1 else 1.0)).clamp_(max=1)
+    theta = tr.nodes[2:5] + 0.1 * torch.randn(tr.nodes[2:5].shape, generator=gen)
+    x, y = tr.train.x[2:5, :16], tr.train.y[2:5, :16]
+    sw = torch.rand(3, 1, 16, generator=gen)
+    out = {}
+    for rows in (slice(2, 5), torch.arange(2, 5)):
+        personal = {k: v.clone() for k, v in tr.personal.items()}
+        grad, loss = tr.surrogate.shared_grad(tr, theta, personal, rows, x, y, sw)
+        out[isinstance(rows, slice)] = grad, loss, personal
+    (g1, l1, p1), (g2, l2, p2) = out[True], out[False]
+    assert torch.equal(g1, g2) and (l1 is l2 is None or torch.equal(l1, l2))
+    for k, v in tr.personal.items():
+        assert torch.equal(p1[k], p2[k]), k
+        assert not torch.equal(p1[k][2:5], v[2:5]), k  # the step moved them
+        assert torch.equal(p1[k][:2], v[:2]) and torch.equal(p1[k][5:], v[5:]), k
+
+
 def test_components_beyond_the_memory_are_refused_with_the_arithmetic(tmp_path):
     """10**11 components of the toy model: the error gives the product, at once (drawing them
     first spun for minutes)."""

@@ -975,6 +975,9 @@ GRAPH_CASES = {
     # each client's correction, fixed in a round: held in the stack's order
     "scaffold, momentum, lr schedule": {"name": "scaffold", "components": 1, "momentum": 0.5,
                                         "lr_decay": [0.5]},
+    # personal rows read and written in each step, in the stack's order
+    "apfl, momentum": {"name": "apfl", "components": 1, "momentum": 0.5},
+    "pfedme, lr schedule": {"name": "pfedme", "components": 1, "lr_decay": [0.5]},
 }  # fmt: skip
 
 
@@ -1192,7 +1195,8 @@ def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp
 #: (plain ones are the fused linear round, graphed by runtime.cuda_graphs)
 CLOSED_FORM_GRAPH_CASES = ["fedem, momentum, decay, lr schedule", "fedprox, lr schedule",
                            "dfedem, momentum (step sizes by peer), lr schedule",
-                           "scaffold, momentum, lr schedule"]  # fmt: skip
+                           "scaffold, momentum, lr schedule", "apfl, momentum",
+                           "pfedme, lr schedule"]  # fmt: skip
 
 
 @pytest.mark.parametrize("forms", [(), ("cpu",)])
@@ -1402,12 +1406,11 @@ def test_a_failed_capture_leaves_the_steps_eager_and_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("case, batching", [
-    ("fedli_ls (line search)", "vmap"), ("apfl (personal rows)", "vmap"),
-    ("dfedem, momentum and decay", "loop")])  # fmt: skip
+    ("fedli_ls (line search)", "vmap"), ("dfedem, momentum and decay", "loop")])  # fmt: skip
 def test_steps_that_read_more_than_tensors_are_not_graphed(case, batching, tmp_path):
-    """A line search and a personal model read values a graph could not hold, and a model
-    without its own batched layers (here run by the per-peer loop) is left alone: their
-    steps stay eager under runtime.cuda_graph_steps."""
+    """A line search reads values a graph could not hold, and a model without its own
+    batched layers (here run by the per-peer loop) is left alone: their steps stay eager
+    under runtime.cuda_graph_steps."""
     from gossip_pfl.runtime.graphs import GraphReplay
 
     tr = trainer(tmp_path, batching, REORDER_CASES[case])

@@ -41,8 +41,9 @@ class Context(Protocol):
 class Surrogate(Protocol):
     components: int
     task: str
-    #: False: shared_grad reads neither ``personal`` nor ``rows`` (a step may then run as a
-    #: CUDA graph, ``runtime.cuda_graph_steps``); a surrogate without it is taken to read them
+    #: True (a surrogate without it is taken so): shared_grad reads and may write the step's
+    #: rows of ``personal`` (``rows``: an index tensor, or a slice where the trainer keeps
+    #: them in the stack's order for the round); False: it reads neither
     step_reads_personal: bool
 
     def init_personal(self, peers: np.ndarray, theta0: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -58,9 +59,9 @@ class Surrogate(Protocol):
     def shared_grad(
         self, ctx: Context, theta: torch.Tensor, personal: dict, rows, x, y, sw
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gradient in u of the surrogate on one minibatch for the peers ``rows``, and each
-        peer's minibatch loss (A,); may update those peers' personal variables in place
-        (pFedMe, APFL)."""
+        """Gradient in u of the surrogate on one minibatch for the peers of ``theta``'s rows
+        (``personal``'s ``rows``), and each peer's minibatch loss (A,); may update those
+        peers' personal variables in place (pFedMe, APFL)."""
 
     def eval_state(self, theta: torch.Tensor, personal: dict) -> torch.Tensor:
         """The (L, M, P) parameters a peer predicts with (its personal model where it has one)."""

@@ -28,8 +28,8 @@ class MixtureSurrogate:
     pi_init: str = "uniform"  #: uniform (the released code) | random (the paper's Alg. 2/4)
     seed: int = 0
     q_smoothing: float = 0.0  #: eps: loss weights (1 - eps) q + eps / M; pi from the plain q
-    #: shared_grad reads neither the personal state nor the peers' rows (the trainer may
-    #: then run a step as a CUDA graph, runtime.cuda_graph_steps)
+    #: shared_grad reads neither the personal state nor the peers' rows (the trainer leaves
+    #: the mixture weights in the peers' order during the steps)
     step_reads_personal = False
 
     def init_personal(self, peers: np.ndarray, theta0: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ class _PersonalModelBase:
     components: int
     task: str
     batch_size: int
-    step_reads_personal = True  # shared_grad reads and updates the personal models
+    step_reads_personal = True  # shared_grad reads and updates the personal models' rows
 
     def begin_round(self, ctx, theta, personal, mask):
         return personal, None
@@ -76,8 +76,9 @@ class APFLSurrogate(_PersonalModelBase):
         v, alpha = personal["model"][rows], personal["alpha"][rows][:, None, None]
         mixed = alpha * v + (1 - alpha) * theta
         g_mixed, _ = weighted_loss_grad(ctx, mixed, x, y, sw, self.batch_size)
-        personal["model"][rows] = v - self.personal_lr * alpha * g_mixed
+        # (v and alpha are views where rows is a slice: each read before it is written)
         g_alpha = ((v - theta) * g_mixed).sum(dim=(1, 2))
+        personal["model"][rows] = v - self.personal_lr * alpha * g_mixed
         personal["alpha"][rows] = (alpha[:, 0, 0] - self.alpha_lr * g_alpha).clamp(0.0, 1.0)
         return weighted_loss_grad(ctx, theta, x, y, sw, self.batch_size)
 
