@@ -499,9 +499,10 @@ class Trainer(RoundLoop):
         plan, order = step_plan(
             idx, weight, self.train.y.shape[1], self.device, prefix, self.uploads
         )
-        # reordered (order not None): for the steps, the stack, the solver's state and the
-        # personal rows a step reads hold the peers in that order, in place (a copy each,
-        # each step's peers a slice of it); the rest is indexed by the peers (rows)
+        # reordered (order not None): for the steps, the stack, the solver's state, the
+        # personal rows a step reads and the losses it keeps hold the peers in that order, in
+        # place (a copy each, each step's peers a slice of it); the rest is indexed by the
+        # peers (rows)
         scale = self.lr_scale if order is None else self.lr_scale[order]
         undo = []  # what is in the plan's order, put back after the steps (or an error)
         try:
@@ -512,11 +513,12 @@ class Trainer(RoundLoop):
                 eta = not self._eta_by_round  # (else recorded after the steps, in peer order)
                 self.solver.permute_rows(opt_state, order, eta)
                 undo.append(lambda: self.solver.permute_rows(opt_state, back, eta))
+                mine = [self.last_loss] if self.track_loss or self.line_search else []
                 if getattr(self.surrogate, "step_reads_personal", True):
-                    mine = [v for v in personal.values() if v.shape[:1] == (L,)]
-                    for v in mine:
-                        v.copy_(v[order])
-                    undo.append(lambda: [v.copy_(v[back]) for v in mine])
+                    mine += [v for v in personal.values() if v.shape[:1] == (L,)]
+                for v in mine:
+                    v.copy_(v[order])
+                undo.append(lambda: [v.copy_(v[back]) for v in mine])
             self._plan_steps(plan, order, theta, q, opt_state, scale, factor,
                              personal, plain)  # fmt: skip
         except BaseException as err:
@@ -534,7 +536,7 @@ class Trainer(RoundLoop):
         """:meth:`local_steps`' steps of a :func:`step_plan` on ``theta`` (``order`` not None:
         in the plan's order, the peers at each row, each step's peers a slice); ``scale`` is
         each peer's step-size multiplier in the same order."""
-        L, a, reordered = len(self.peers), self.cfg.algorithm, order is not None
+        L, reordered = len(self.peers), order is not None
         qt = None
         if q is not None:  # (L * N, M): a step's responsibilities are one index_select
             qt = q.expand(L, self.M, -1).transpose(1, 2).reshape(-1, self.M)
@@ -570,12 +572,8 @@ class Trainer(RoundLoop):
                 continue
             extra = {}
             if self.track_loss or self.line_search:
-                # FedLi's objective is the mean over the batch's real samples; the loss
-                # divides by B (with loss_divisor batch, the plan's weights make it that mean
-                # already, and this factor is 1)
-                mean = (a.batch_size / b_w.sum(-1).clamp_min(1)).to(loss.dtype)  # (A,)
+                mean = self._keep_loss(loss, b_w, sel)
                 loss = loss * mean
-                self.last_loss[peers] = loss.double()
             if self.client is not None:
                 extra["correction"] = self.client.correction(self.client_state, peers)
             if self.line_search:
@@ -593,6 +591,15 @@ class Trainer(RoundLoop):
         self.step_graphs = self._unless_failed(self.step_graphs, "runtime.cuda_graph_steps",
                                                "a step", "the steps run")  # fmt: skip
 
+    def _keep_loss(self, loss: torch.Tensor, b_w: torch.Tensor, sel) -> torch.Tensor:
+        """Keep the step's objective for the rule (FedLi), at ``sel`` of the kept losses (in
+        the stack's order), and return the factor that made it: FedLi's objective is the
+        mean over the batch's real samples, the loss divides by B (with loss_divisor batch
+        the plan's weights make it that mean already, and the factor is 1). (A,)"""
+        mean = (self.cfg.algorithm.batch_size / b_w.sum(-1).clamp_min(1)).to(loss.dtype)
+        self.last_loss[sel] = (loss * mean).double()
+        return mean
+
     def _step_graph(self, theta, opt_state, scale, factor: float, neg_step, order, personal):
         """This round's steps as CUDA graphs (``runtime.cuda_graph_steps``): a function
         ``(step, sw)`` that runs a step whose peers are a slice of the stack (the samples'
@@ -600,15 +607,14 @@ class Trainer(RoundLoop):
         first call; and FedProx's anchor. None for models without their own batched layers or
         the linear model's closed form (both read only their arguments; the others swap a
         module's parameters: the LSTM, MobileNet), and where a step reads more than tensors
-        whose places stay put: a loss kept for the rule (FedLi), a line search, another
-        solver. (pFedMe's and APFL's personal rows are read and written in place, in the
-        stack's order.) The round's step sizes,
+        whose places stay put: a line search, another solver. (pFedMe's and APFL's personal
+        rows and FedLi-LU's kept losses are read and written in place, in the stack's
+        order.) The round's step sizes,
         anchor and clients' corrections (SCAFFOLD's c - c_i, in the stack's ``order``) are
         copied into tensors held across rounds (``_hold``), which the graphs read: a value
         taken from the host at capture would stay the first round's (the lr schedule's
         factor), and a tensor made anew each round would be elsewhere."""
-        if (self.step_graphs is None or self.track_loss
-                or self.line_search or type(self.solver) is not LocalSGD
+        if (self.step_graphs is None or self.line_search or type(self.solver) is not LocalSGD
                 or not (self.forward.by_parameter or self.forward.closed_form)):  # fmt: skip
             return None, None
         solver, train = self.solver, self.train
@@ -616,6 +622,8 @@ class Trainer(RoundLoop):
         reads = [theta, opt_state.momentum, train.x, train.y]
         if getattr(self.surrogate, "step_reads_personal", True):
             reads += list(personal.values())
+        if self.track_loss:  # (FedLi-LU: each step keeps its loss)
+            reads.append(self.last_loss)
         anchor = self._hold("anchor", theta) if solver.prox_mu else None
         if neg_step is not None:
             neg = self._hold("neg_step", neg_step)
@@ -636,9 +644,12 @@ class Trainer(RoundLoop):
         places = tuple(reads)
 
         def step(st, sw) -> None:
-            def run(flat, sw, sel=st.sel, shape=st.shape) -> None:
+            def run(flat, sw, *b_w, sel=st.sel, shape=st.shape) -> None:
                 x, y = train.take_flat(flat, shape)
-                grad, _ = self.surrogate.shared_grad(self, theta[sel], personal, sel, x, y, sw)
+                grad, loss = self.surrogate.shared_grad(self, theta[sel], personal, sel, x, y,
+                                                        sw)  # fmt: skip
+                if b_w:
+                    self._keep_loss(loss, b_w[0], sel)
                 if neg_step is not None:
                     theta[sel].add_(neg[sel] * grad)
                 else:
@@ -647,7 +658,8 @@ class Trainer(RoundLoop):
                                 record=False)  # fmt: skip
 
             key = (st.shape, st.sel == slice(None), solver, neg_step is None)
-            self.step_graphs(key, run, st.flat, sw, places=places)
+            kept = (st.weight,) if self.track_loss else ()  # (the batch's real samples)
+            self.step_graphs(key, run, st.flat, sw, *kept, places=places)
 
         return step, anchor
 

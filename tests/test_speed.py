@@ -978,6 +978,8 @@ GRAPH_CASES = {
     # personal rows read and written in each step, in the stack's order
     "apfl, momentum": {"name": "apfl", "components": 1, "momentum": 0.5},
     "pfedme, lr schedule": {"name": "pfedme", "components": 1, "lr_decay": [0.5]},
+    # each step's loss kept for the rule, in the stack's order
+    "fedli_lu, momentum": {"name": "fedli_lu", "components": 1, "momentum": 0.5},
 }  # fmt: skip
 
 
@@ -1196,7 +1198,7 @@ def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp
 CLOSED_FORM_GRAPH_CASES = ["fedem, momentum, decay, lr schedule", "fedprox, lr schedule",
                            "dfedem, momentum (step sizes by peer), lr schedule",
                            "scaffold, momentum, lr schedule", "apfl, momentum",
-                           "pfedme, lr schedule"]  # fmt: skip
+                           "pfedme, lr schedule", "fedli_lu, momentum"]  # fmt: skip
 
 
 @pytest.mark.parametrize("forms", [(), ("cpu",)])
@@ -1212,12 +1214,13 @@ def test_graphed_steps_give_the_eager_steps_bits(
     the graph's buffers and must read what the graph would, the first call's host values and
     held tensors, none freed since (``GraphReplay(simulate=True)``). Four rounds, the step size
     cut tenfold after two: the same bits as the eager steps in parameters, momentum, step sizes,
-    mixture weights and SCAFFOLD's control variates, so nothing a graph would read stays the
-    first round's (the schedule's factor, each round's step sizes, FedProx's anchor, SCAFFOLD's
-    corrections). A gathered plan with every peer (its steps of all peers graphed, the others
-    eager) and a reordered one with half the peers a round (every step graphed). With the GPU's
-    solver forms too (``solver.FUSED_ON``, forced here): torch.optim.SGD's fused kernel where
-    every peer takes one step size, its step size a tensor from the held factor."""
+    mixture weights, SCAFFOLD's control variates and FedLi-LU's kept losses, so nothing a graph
+    would read stays the first round's (the schedule's factor, each round's step sizes,
+    FedProx's anchor, SCAFFOLD's corrections). A gathered plan with every peer (its steps of all
+    peers graphed, the others eager) and a reordered one with half the peers a round (every step
+    graphed). With the GPU's solver forms too (``solver.FUSED_ON``, forced here):
+    torch.optim.SGD's fused kernel where every peer takes one step size, its step size a tensor
+    from the held factor."""
     import gossip_pfl.train as train
     from gossip_pfl.runtime import solver
     from gossip_pfl.runtime.graphs import GraphReplay, _Recorded
@@ -1250,6 +1253,7 @@ def test_graphed_steps_give_the_eager_steps_bits(
         assert torch.equal(eager.personal[k], graphed.personal[k])
     for k in eager.client_state:  # (SCAFFOLD's c_i and c)
         assert torch.equal(eager.client_state[k], graphed.client_state[k])
+    assert torch.equal(eager.last_loss, graphed.last_loss)  # (FedLi-LU's)
 
 
 @pytest.mark.parametrize("forms", [(), ("cpu",)])
@@ -1305,6 +1309,7 @@ ROUND_OPS = {False: 34, True: 25}
      ("fedprox, lr schedule", "vmap", 6, False),
      ("fedprox, lr schedule", "auto", 6, False),
      ("scaffold, momentum, lr schedule", "vmap", 3, False),
+     ("fedli_lu, momentum", "auto", 3, False),
      ("fedli_ls (line search)", "vmap", 6, True)],
 )  # fmt: skip
 def test_a_gpu_round_does_not_wait_for_the_device(
