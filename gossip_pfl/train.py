@@ -372,8 +372,10 @@ class Trainer(RoundLoop):
         self.solver.begin_round(self.opt_state)
         self.local_steps(theta, q, self.opt_state, t, a.local_epochs, a.local_steps, factor,
                          personal, active=mine)  # fmt: skip
-        if not mine.all():  # those sitting out keep their personal state
-            personal = {k: _where(act, v, self.personal[k]) for k, v in personal.items()}
+        if not mine.all():  # those sitting out keep their personal state (a tensor the steps
+            # wrote in place has it: it keeps its place, which a step's CUDA graph reads)
+            personal = {k: v if v is self.personal.get(k) else _where(act, v, self.personal[k])
+                        for k, v in personal.items()}  # fmt: skip
         self.personal = personal
         self._check_finite(t, theta)
         self.outbox = self.client_messages(theta, act)
@@ -515,7 +517,7 @@ class Trainer(RoundLoop):
                 undo.append(lambda: self.solver.permute_rows(opt_state, back, eta))
                 mine = [self.last_loss] if self.track_loss or self.line_search else []
                 if getattr(self.surrogate, "step_reads_personal", True):
-                    mine += [v for v in personal.values() if v.shape[:1] == (L,)]
+                    mine += [_per_peer(k, v, L) for k, v in personal.items()]
                 for v in mine:
                     v.copy_(v[order])
                 undo.append(lambda: [v.copy_(v[back]) for v in mine])
@@ -967,6 +969,7 @@ class Trainer(RoundLoop):
             plain = LocalSGD(self.cfg.algorithm.lr)
             solver, client, self.solver, self.client = self.solver, self.client, plain, None
             line_search, self.line_search = self.line_search, False
+            kept = self.last_loss.clone()  # (FedLi's losses for the rule are the round's)
             try:
                 self.local_steps(
                     theta, None, plain.init(theta), self.round, self.finetune_epochs,
@@ -974,6 +977,7 @@ class Trainer(RoundLoop):
                 )  # fmt: skip
             finally:
                 self.solver, self.client, self.line_search = solver, client, line_search
+                self.last_loss.copy_(kept)
         theta = self.surrogate.eval_state(theta, personal)
         nll, acc = self.scores(split, theta, personal)
         return tuple(self.gather([nll, acc, split.counts], self.peers, self.n_peers))
@@ -1236,6 +1240,17 @@ def _all_finite(x: torch.Tensor) -> bool:
     if x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and not x.requires_grad:
         return bool(np.isfinite(x.numpy()).all())
     return bool(torch.isfinite(x.abs().amax()))
+
+
+def _per_peer(key: str, v: torch.Tensor, peers: int) -> torch.Tensor:
+    """A personal tensor a step reads by its rows (one a peer), or an error naming it: the
+    trainer puts those rows in the stack's order for a reordered round."""
+    if v.shape[:1] != (peers,):
+        raise RuntimeError(
+            f"personal state {key!r} has shape {tuple(v.shape)}: a surrogate "
+            f"whose steps read personal rows holds one row per peer ({peers})"
+        )
+    return v
 
 
 def _where(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:

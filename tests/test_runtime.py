@@ -875,6 +875,20 @@ def test_unseen_clients_fine_tune_their_personal_models(name, tmp_path):
     assert (np.abs(nll - plain_nll) > 1e-4).all()  # both personal models were tuned and used
 
 
+def test_fine_tuning_for_an_evaluation_keeps_the_rounds_losses_for_the_rule(tmp_path):
+    """FedLi-LU's peers send the rule their last local step's loss. An evaluation that
+    fine-tunes (``eval.finetune_epochs``) takes local steps of its own on copies: the losses
+    kept for the rule stay the round's (they were overwritten by the fine-tuning's)."""
+    cfg = make_cfg(tmp_path, "server", "fedli_lu", rounds=2, lr=0.1, momentum=0.0)
+    cfg.eval.finetune_epochs = 1
+    tr = Trainer(cfg, dataset=toy_dataset(8), log=lambda *a: None)
+    tr.local_work(0)
+    kept = tr.last_loss.clone()
+    assert (kept > 0).all()
+    tr.evaluate(tr.test)
+    assert torch.equal(tr.last_loss, kept)
+
+
 @pytest.mark.parametrize("name", ["pfedme", "apfl"])
 @pytest.mark.parametrize("batching", ["auto", "vmap"])
 def test_a_personal_step_takes_its_rows_as_a_slice_or_as_indices(name, batching, tmp_path):

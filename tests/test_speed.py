@@ -829,6 +829,8 @@ REORDER_CASES = {
     **CASES,
     "scaffold (a correction per peer)": {"name": "scaffold", "components": 1},
     "apfl (personal rows)": {"name": "apfl", "components": 1},
+    "pfedme (personal rows)": {"name": "pfedme", "components": 1},
+    "fedli_lu (a loss kept for the rule)": {"name": "fedli_lu", "components": 1},
 }
 
 
@@ -1256,6 +1258,33 @@ def test_graphed_steps_give_the_eager_steps_bits(
     assert torch.equal(eager.last_loss, graphed.last_loss)  # (FedLi-LU's)
 
 
+@pytest.mark.parametrize("case", ["apfl, momentum", "pfedme, lr schedule"])
+def test_personal_rows_keep_their_place_when_peers_sit_out(case, monkeypatch, tmp_path):
+    """pFedMe's and APFL's personal tensors, which the step graphs read in place, stay where
+    they are through rounds of half the peers (in the stack's order for the steps, then put
+    back): no graph captured again for a new place once the round's shapes have come, and
+    those sitting out keep their rows."""
+    import gossip_pfl.train as train
+    from gossip_pfl.runtime.graphs import GraphReplay
+
+    monkeypatch.setattr(train, "REORDER_ON", ("cpu",))
+    tr = trainer(tmp_path, "vmap", GRAPH_CASES[case], sizes=[40, 85, 20, 59, 33, 59])
+    tr.cfg.participation, tr.n_active = 0.5, 3
+    tr.step_graphs = GraphReplay(keep=1024, simulate=True)
+    places = {k: v.data_ptr() for k, v in tr.personal.items()}
+    keys = set()
+    for t in range(4):
+        before = {k: v.clone() for k, v in tr.personal.items()}
+        rounds_from(tr, t)
+        out = ~torch.as_tensor(tr.sample(t)[tr.peers])  # (those sitting out)
+        for k, v in tr.personal.items():
+            assert v.data_ptr() == places[k], (t, k)
+            assert torch.equal(v[out], before[k][out]) and not torch.equal(v, before[k]), (t, k)
+        # each graph's key without its places: one graph for each
+        keys |= {key[:-1] for key in tr.step_graphs.graphs}
+    assert len(tr.step_graphs.graphs) == len(keys)
+
+
 @pytest.mark.parametrize("forms", [(), ("cpu",)])
 @pytest.mark.parametrize(
     "case, one_size",
@@ -1310,6 +1339,8 @@ ROUND_OPS = {False: 34, True: 25}
      ("fedprox, lr schedule", "auto", 6, False),
      ("scaffold, momentum, lr schedule", "vmap", 3, False),
      ("fedli_lu, momentum", "auto", 3, False),
+     ("apfl, momentum", "vmap", 3, False),
+     ("pfedme, lr schedule", "auto", 3, False),
      ("fedli_ls (line search)", "vmap", 6, True)],
 )  # fmt: skip
 def test_a_gpu_round_does_not_wait_for_the_device(

@@ -42,8 +42,9 @@ class Surrogate(Protocol):
     components: int
     task: str
     #: True (a surrogate without it is taken so): shared_grad reads and may write the step's
-    #: rows of ``personal`` (``rows``: an index tensor, or a slice where the trainer keeps
-    #: them in the stack's order for the round); False: it reads neither
+    #: rows of ``personal``, one row a peer (``rows``: positions in the stack, an index
+    #: tensor or a slice; for a reordered round the trainer keeps those rows in the stack's
+    #: order, so they are not peer ids); False: it reads neither
     step_reads_personal: bool
 
     def init_personal(self, peers: np.ndarray, theta0: torch.Tensor) -> dict[str, torch.Tensor]:
