@@ -479,7 +479,8 @@ class Trainer(RoundLoop):
         L, a = len(self.peers), self.cfg.algorithm
         counts = self.counts if active is None else np.where(active, self.counts, 0)
         plain = self._plain_sgd()
-        fused = plain and self._fused_linear()  # the round in one call (linear_sgd_round)
+        affine = not plain and self._affine_sgd()  # (the compiled loops add its terms)
+        fused = (plain or affine) and self._fused_linear()  # the round in one call
         # the torch operations' host side of the fused step, drawn with the plan
         post = self._linear_host if fused and not self.forward.kernels else None
         idx, weight, taken, *host = self.planner(
@@ -493,8 +494,9 @@ class Trainer(RoundLoop):
             with np.errstate(over="ignore"):  # an lr past float32: the finite check names it
                 neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_host
             qe = q if q is None or isinstance(q, PendingEStep) else q.expand(L, self.M, -1)
+            terms = self._affine_terms(neg) if affine else None
             self.forward.linear_sgd_round(theta, self.train, (idx, weight, *host), neg, qe,
-                                          a.batch_size)  # fmt: skip
+                                          a.batch_size, terms)  # fmt: skip
             self._record_eta(opt_state, factor, taken)
             return
         prefix = self.device.type in REORDER_ON
@@ -698,6 +700,26 @@ class Trainer(RoundLoop):
         rule correction) and no rule reads the loss."""
         plain = self.solver.plain and self.client is None and not self.track_loss
         return plain and not self.line_search
+
+    def _affine_sgd(self) -> bool:
+        """SGD without momentum whose step adds terms linear in the parameters (FedProx's
+        proximal term, weight decay, SCAFFOLD's correction), no loss kept or searched: with
+        the compiled CPU loops, the round's steps are one call as plain SGD's are."""
+        solver = self.solver
+        return (self.forward.kernels and type(solver) is LocalSGD and not solver.momentum
+                and not self.track_loss and not self.line_search)  # fmt: skip
+
+    def _affine_terms(self, neg: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
+        """The compiled round's added terms times each peer's -lr (``neg``, (L,) float32):
+        (L, 2) the proximal term's and the weight decay's coefficients, and (L, M, P)
+        SCAFFOLD's correction c - c_i (fixed within a round) or None."""
+        solver = self.solver
+        coef = np.stack([neg * np.float32(solver.prox_mu), neg * np.float32(solver.weight_decay)],
+                        axis=1)  # fmt: skip
+        if self.client is None:
+            return coef, None
+        corr = self.client.correction(self.client_state, slice(None))
+        return coef, (torch.from_numpy(neg)[:, None, None] * corr).contiguous().numpy()
 
     @property
     def fuses_e_step(self) -> bool:

@@ -120,12 +120,27 @@ def test_fused_scores_and_losses_equal_general_path(chunk, tmp_path):
     {"name": "dfedem", "components": 3},
     {"name": "fedavg", "components": 1},
     {"name": "dfedem", "components": 2, "local_steps": 3},
+    # steps with terms linear in the parameters: the proximal term (mu large enough to
+    # matter), weight decay with FedEM's weights, SCAFFOLD's correction (after round 0)
+    {"name": "fedprox", "components": 1, "mu": 2.0, "weight_decay": 0.05},
+    {"name": "fedem", "components": 2, "weight_decay": 0.05},
+    {"name": "scaffold", "components": 1, "lr_decay": [0.5]},
 ])  # fmt: skip
 def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_path):
     """runtime.cpu_kernels (compiled loops: the round, E-step losses, scores) == the torch
     operations after three rounds, up to float rounding; and the same bits with 1 or 3
-    kernel threads (each peer is one thread's)."""
+    kernel threads (each peer is one thread's). The round is one compiled call for plain
+    SGD and for the terms the kernel adds (FedProx's, weight decay, SCAFFOLD's)."""
     pytest.importorskip("numba")
+    calls = []
+    with pytest.MonkeyPatch.context() as mp:
+        from gossip_pfl.runtime.stack import BatchedForward
+
+        real = BatchedForward.linear_sgd_round
+        mp.setattr(BatchedForward, "linear_sgd_round",
+                   lambda self, *a: calls.append(self.kernels) or real(self, *a))  # fmt: skip
+        rounds(trainer(tmp_path / "calls", "auto", algorithm))
+    assert calls == [True] * 3
     if "local_steps" in algorithm:  # fixed steps: a batch may take a sample twice (it counts twice)
         tr = trainer(tmp_path, "auto", algorithm)
         idx, weight = tr.planner(tr.counts, tr.train_ids[tr.peers], 3, 0, 16, 1, 3)[:2]

@@ -170,8 +170,10 @@ def _accumulate(g, x, base, order, r, k):
 
 
 @njit(**_OPTS)
-def sgd_round(lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q, pi, eps, new_pi):
-    """A round of plain SGD on sum_b w_b q_bm log-loss(z_bm), in place on theta (L, M, P).
+def sgd_round(
+    lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q, pi, eps, new_pi, affine, shift
+):  # fmt: skip
+    """A round of SGD on sum_b w_b q_bm log-loss(z_bm), in place on theta (L, M, P).
 
     ``x`` (N, P): the samples with a ones column (so z = theta . x includes the bias), peer
     by peer from ``offsets`` (L,); ``labels`` (L, N_max). ``idx``, ``weight`` (L, S, B): the
@@ -188,10 +190,13 @@ def sgd_round(lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q, p
         theta_m += sum_b c_bm (sigmoid(z_bm) - y_b) x_b,   c_bm = step * w_b * q_bm,
 
     every z_bm at the step's starting theta: first every r_bm = c_bm (sigmoid(z_bm) - y_b),
-    then their sum into g (:func:`_accumulate`). A batch's samples are taken in the order
-    they are stored, so that the CPU prefetches their rows (``in_batch[n]``: sample n's summed
-    weight in the batch, 0 if not in it; a sample drawn twice, as fixed local steps may draw
-    it across two permutations, counts twice)."""
+    then their sum into g (:func:`_accumulate`). With ``affine`` (L, 2) (not shape (0, 2)) a
+    step adds ``affine[p, 0] (theta - theta_start) + affine[p, 1] theta`` (FedProx's proximal
+    term and weight decay, each times -lr), and with ``shift`` (L, M, P) (not shape
+    (0, 0, 0)) ``shift[p]`` (SCAFFOLD's correction times -lr). A batch's samples are taken
+    in the order they are stored, so that the CPU prefetches their rows (``in_batch[n]``:
+    sample n's summed weight in the batch, 0 if not in it; a sample drawn twice, as fixed
+    local steps may draw it across two permutations, counts twice)."""
     L, M, P = theta.shape
     S, B = idx.shape[1:]
     weighted = q.shape[0] > 0
@@ -203,8 +208,14 @@ def sgd_round(lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q, p
     r = np.zeros((labels.shape[1], M), dtype=np.float32)
     e_step = pi.shape[0] > 0
     zs = np.zeros((M, labels.shape[1] if e_step else 0), dtype=np.float32)
+    affine_on, shift_on = affine.shape[0] > 0, shift.shape[0] > 0
+    start = np.zeros((M, P), dtype=np.float32)  # the peer's theta as the round starts
     for p in range(lo, hi):
         th = theta[p]
+        prox = affine[p, 0] if affine_on else np.float32(0.0)
+        decay = affine[p, 1] if affine_on else np.float32(0.0)
+        if prox != 0:
+            start[:] = th
         if e_step:
             _e_step(th, x, offsets[p], counts[p], labels[p], pi[p], eps, q[p], new_pi[p], z, w,
                     zs)  # fmt: skip
@@ -238,10 +249,18 @@ def sgd_round(lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q, p
                     c = wc * q[p, m, n] if weighted else wc
                     r[j, m] = c / (np.float32(1.0) + np.exp(-z[m])) - yn * c
             _accumulate(g, x, offsets[p], order, r, k)
-            for m in range(M):
-                for i in range(P):
-                    th[m, i] += g[m, i]
-                    g[m, i] = 0
+            if affine_on or shift_on:
+                for m in range(M):
+                    for i in range(P):
+                        v = th[m, i]
+                        u = g[m, i] + prox * (v - start[m, i]) + decay * v
+                        th[m, i] = v + (u + shift[p, m, i] if shift_on else u)
+                        g[m, i] = 0
+            else:
+                for m in range(M):
+                    for i in range(P):
+                        th[m, i] += g[m, i]
+                        g[m, i] = 0
 
 
 @njit(**_OPTS)
@@ -307,7 +326,8 @@ def warm_up() -> None:
     theta, x, labels = np.zeros((1, 1, 2), f32), np.zeros((1, 2), f32), np.zeros((1, 1), i64)
     ints, floats = np.zeros(1, i64), np.zeros(1, f32)  # per peer: offsets, counts; step
     pi, cube_i, cube_f = np.zeros((1, 1), f32), np.zeros((1, 1, 1), i64), np.zeros((1, 1, 1), f32)
-    sgd_round(0, 0, theta, x, ints, ints, labels, cube_i, cube_f, floats, cube_f, pi, f32(0), pi)
+    sgd_round(0, 0, theta, x, ints, ints, labels, cube_i, cube_f, floats, cube_f, pi, f32(0), pi,
+              np.zeros((0, 2), f32), cube_f)  # fmt: skip
     bce_losses(0, 0, theta, x, ints, ints, labels, cube_f)
     mixture_scores(0, 0, theta, pi, cube_f, labels, ints, np.zeros(1), np.zeros(1))
 

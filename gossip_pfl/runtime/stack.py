@@ -288,8 +288,9 @@ class BatchedForward:
     def linear_sgd_round(
         self, theta: torch.Tensor, split, batches: tuple, neg_step: np.ndarray,
         q: torch.Tensor | PendingEStep | None, batch_size: int,
+        affine: tuple[np.ndarray, np.ndarray | None] | None = None,
     ) -> None:  # fmt: skip
-        """A round of plain SGD on the binary linear model's log-loss, in place on theta
+        """A round of SGD on the binary linear model's log-loss, in place on theta
         (L, M, P = [W, b]). ``batches``: the round's plan over ``split``, (idx, weight) of
         :func:`gossip_pfl.runtime.data.round_batches` and, for the torch operations, its
         :class:`gossip_pfl.runtime.data.LinearHost`; ``neg_step`` (L,) each peer's -lr *
@@ -297,8 +298,13 @@ class BatchedForward:
         :class:`PendingEStep`: worked out in the loop, with :attr:`kernels`); the loss
         divides by ``batch_size``. On a CPU with :attr:`kernels`, a compiled loop per peer
         (:func:`gossip_pfl.runtime.kernels.sgd_round`); else :meth:`_linear_sgd_steps`, on a
-        GPU with ``runtime.cuda_graphs`` replayed as a CUDA graph per shape."""
+        GPU with ``runtime.cuda_graphs`` replayed as a CUDA graph per shape. ``affine``
+        (kernels only): each step's added terms times -lr, (L, 2) FedProx's proximal term's
+        and weight decay's coefficients and (L, M, P) SCAFFOLD's correction or None (the
+        kernel's ``affine`` and ``shift``); None: plain SGD."""
         idx, weight, *host = batches
+        if affine is not None and not self.kernels:
+            raise RuntimeError("the proximal, decay and correction terms need the compiled loops")
         if self.kernels:
             none = np.zeros((0, 0), np.float32)
             pi, eps, new_pi = none, np.float32(0), none
@@ -306,11 +312,14 @@ class BatchedForward:
                 pi, eps = q.old_pi.float().contiguous().numpy(), np.float32(q.smoothing)
                 new_pi, q = q.pi.numpy(), q.q
             qa = np.zeros((0, 0, 0), np.float32) if q is None else q.contiguous().numpy()
+            coef, shift = affine if affine is not None else (None, None)
+            coef = np.zeros((0, 2), np.float32) if coef is None else coef
+            shift = np.zeros((0, 0, 0), np.float32) if shift is None else shift
             self._compiled("sgd_round", split, theta.numpy(), split.augmented.numpy(),
                            split.offsets, split.host_counts, split.host_y,
                            idx.transpose(1, 0, 2), weight.transpose(1, 0, 2),
                            neg_step * np.float32(1.0 / batch_size), qa, pi, eps,
-                           new_pi)  # fmt: skip
+                           new_pi, coef, shift)  # fmt: skip
             return
         if isinstance(q, PendingEStep):
             raise RuntimeError("a pending E-step needs the compiled CPU loops (kernels)")
