@@ -75,6 +75,9 @@ def capture(rounds: range) -> dict:
 def call(module, name: str, threads: int, work, args) -> tuple[float, list]:
     """One timed call on fresh copies of the arrays the loop writes; (seconds, outputs)."""
     args = [a.copy() if i in WRITES[name] else a for i, a in enumerate(args)]
+    # an older kernel may take fewer arguments (sgd_round before affine and shift): the
+    # arguments added since come last, and run() adds two (lo, hi) before them
+    args = args[: getattr(module, name).py_func.__code__.co_argcount - 2]
     t0 = time.perf_counter()
     module.run(getattr(module, name), threads, work, *args)
     return time.perf_counter() - t0, [args[i] for i in WRITES[name]]

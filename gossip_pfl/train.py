@@ -714,8 +714,9 @@ class Trainer(RoundLoop):
         (L, 2) the proximal term's and the weight decay's coefficients, and (L, M, P)
         SCAFFOLD's correction c - c_i (fixed within a round) or None."""
         solver = self.solver
-        coef = np.stack([neg * np.float32(solver.prox_mu), neg * np.float32(solver.weight_decay)],
-                        axis=1)  # fmt: skip
+        # a term that is off is 0, not neg * 0 (NaN where an overflowing lr made neg infinite)
+        coef = np.stack([neg * np.float32(c) if c else np.zeros_like(neg)
+                         for c in (solver.prox_mu, solver.weight_decay)], axis=1)  # fmt: skip
         if self.client is None:
             return coef, None
         corr = self.client.correction(self.client_state, slice(None))
@@ -729,8 +730,8 @@ class Trainer(RoundLoop):
         return self.forward.kernels and self._plain_sgd() and self._fused_linear()
 
     def _fused_linear(self) -> bool:
-        """The whole round's plain SGD steps in closed form (stack.linear_sgd_round): the
-        binary linear model, a loss without a personal part (FedEM, FedAvg, local, ...)."""
+        """The whole round's SGD steps in closed form (stack.linear_sgd_round): the binary
+        linear model, a loss without a personal part (FedEM, FedAvg, local, ...)."""
         return (
             self.forward.closed_form
             and self.task == "binary"

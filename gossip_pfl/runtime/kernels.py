@@ -1,4 +1,5 @@
-"""Compiled CPU loops (numba) for the binary linear model: a round of plain SGD (with FedEM's
+"""Compiled CPU loops (numba) for the binary linear model: a round of SGD without momentum
+(plain, or with FedProx's proximal term, weight decay or SCAFFOLD's correction; with FedEM's
 E-step, peer by peer, before the peer's steps), the E-step's losses and the mixture's scores,
 each one pass over a peer's samples; and the round plan's shuffles (:func:`permutations`).
 
