@@ -480,7 +480,11 @@ class Trainer(RoundLoop):
         counts = self.counts if active is None else np.where(active, self.counts, 0)
         plain = self._plain_sgd()
         affine = not plain and self._affine_sgd()  # (the compiled loops add its terms)
-        fused = (plain or affine) and self._fused_linear()  # the round in one call
+        # pFedMe's and APFL's steps with the compiled loops
+        steps_of = None
+        if (plain or affine) and self.forward.kernels and self._personal_linear():
+            steps_of = self.surrogate.compiled_steps(personal)
+        fused = (plain or affine) and (self._fused_linear() or steps_of is not None)  # one call
         # the torch operations' host side of the fused step, drawn with the plan
         post = self._linear_host if fused and not self.forward.kernels else None
         idx, weight, taken, *host = self.planner(
@@ -496,7 +500,7 @@ class Trainer(RoundLoop):
             qe = q if q is None or isinstance(q, PendingEStep) else q.expand(L, self.M, -1)
             terms = self._affine_terms(neg) if affine else None
             self.forward.linear_sgd_round(theta, self.train, (idx, weight, *host), neg, qe,
-                                          a.batch_size, terms)  # fmt: skip
+                                          a.batch_size, terms, steps_of)  # fmt: skip
             self._record_eta(opt_state, factor, taken)
             return
         prefix = self.device.type in REORDER_ON
@@ -738,6 +742,13 @@ class Trainer(RoundLoop):
             and type(self.surrogate) is MixtureSurrogate
         )
 
+    def _personal_linear(self) -> bool:
+        """A personal-model surrogate (pFedMe, APFL: ``compiled_steps``) on the binary linear
+        model's closed form: its evaluated model is one sigmoid, scored as a mixture of one
+        (:meth:`scores`), and with the compiled CPU loops its round's steps are one call."""
+        return (self.forward.closed_form and self.task == "binary"
+                and hasattr(self.surrogate, "compiled_steps"))  # fmt: skip
+
     @property
     def _lr_scale_host(self) -> np.ndarray:
         if "_lr_scale_np" not in self.__dict__:
@@ -954,10 +965,10 @@ class Trainer(RoundLoop):
     def scores(self, split: PaddedSplit, theta, personal) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row (mean log-loss, accuracy) of the personalized prediction on ``split``."""
         counts = split.counts.double().clamp_min(1)
-        if self._fused_linear():  # the mixture of sigmoids in a few kernels per piece
-            nll, correct = self.forward.linear_mixture_scores(
-                theta, personal["pi"], split, self.eval_chunk
-            )
+        if self._fused_linear() or self._personal_linear():  # a mixture of sigmoids
+            # (pFedMe's and APFL's evaluated model: a mixture of one, of weight 1)
+            pi = personal["pi"] if self._fused_linear() else theta.new_ones(theta.shape[:2])
+            nll, correct = self.forward.linear_mixture_scores(theta, pi, split, self.eval_chunk)
             return nll / counts, correct / counts
         correct = torch.zeros(theta.shape[0], device=self.device, dtype=torch.float64)
         nll = torch.zeros_like(correct)

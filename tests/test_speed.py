@@ -116,6 +116,24 @@ def test_fused_scores_and_losses_equal_general_path(chunk, tmp_path):
     torch.testing.assert_close(fast_losses * mask, tr.train_losses(theta) * mask)
 
 
+@pytest.mark.parametrize("name", ["pfedme", "apfl"])
+def test_personal_models_score_as_a_mixture_of_one(name, tmp_path):
+    """pFedMe's and APFL's evaluated models (one sigmoid each) scored as a mixture of one
+    component of weight 1 (the compiled or batched mixture scores) == the general path (the
+    model's forward, the surrogate's predict), on both splits."""
+    tr = rounds(trainer(tmp_path, "auto", {"name": name, "components": 1}))
+    assert tr._personal_linear()
+    theta = tr.surrogate.eval_state(tr.nodes[: len(tr.peers)], tr.personal)
+    fast = [tr.scores(s, theta, tr.personal) for s in (tr.train, tr.test)]
+    tr.forward.closed_form = False
+    assert not tr._personal_linear()
+    for (nll, acc), split in zip(fast, (tr.train, tr.test)):
+        slow_nll, slow_acc = tr.scores(split, theta, tr.personal)
+        torch.testing.assert_close(nll, slow_nll, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(acc, slow_acc)
+        assert 0.3 < float(acc.mean()) < 1  # not a degenerate case
+
+
 @pytest.mark.parametrize("algorithm", [
     {"name": "dfedem", "components": 3},
     {"name": "fedavg", "components": 1},
@@ -125,12 +143,17 @@ def test_fused_scores_and_losses_equal_general_path(chunk, tmp_path):
     {"name": "fedprox", "components": 1, "mu": 2.0, "weight_decay": 0.05},
     {"name": "fedem", "components": 2, "weight_decay": 0.05},
     {"name": "scaffold", "components": 1, "lr_decay": [0.5]},
+    # personal models: pFedMe's inner steps, APFL's learned alpha with weight decay
+    {"name": "pfedme", "components": 1, "mu": 15.0, "inner_steps": 3, "personal_lr": 0.02},
+    {"name": "apfl", "components": 1, "alpha": 0.25, "alpha_lr": 0.05, "weight_decay": 0.05},
 ])  # fmt: skip
 def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_path):
     """runtime.cpu_kernels (compiled loops: the round, E-step losses, scores) == the torch
     operations after three rounds, up to float rounding; and the same bits with 1 or 3
     kernel threads (each peer is one thread's). The round is one compiled call for plain
-    SGD and for the terms the kernel adds (FedProx's, weight decay, SCAFFOLD's)."""
+    SGD, for the terms the kernel adds (FedProx's, weight decay, SCAFFOLD's) and for
+    pFedMe's and APFL's steps, whose personal models (and APFL's alpha) move as the torch
+    operations move them."""
     pytest.importorskip("numba")
     calls = []
     with pytest.MonkeyPatch.context() as mp:
@@ -233,13 +256,14 @@ def test_the_cpu_loops_load_with_the_forward_that_uses_them(monkeypatch):
 def test_kernel_warm_up_loads_the_types_a_run_passes(monkeypatch, tmp_path):
     """kernels.warm_up, which the tests' fork server runs before forking ranks, calls each
     loop with the argument types a run passes: a D-FedEM round (the E-step in the loop), an
-    E-step's losses as a pass of their own (momentum) and an evaluation find no other type
-    (each rank would then load its own, half a second)."""
+    E-step's losses as a pass of their own (momentum), pFedMe's and APFL's rounds and an
+    evaluation find no other type (each rank would then load its own, half a second)."""
     numba = pytest.importorskip("numba")
     from gossip_pfl.runtime import kernels
 
     seen: dict[str, set] = {}
-    loops = {name: getattr(kernels, name) for name in ("sgd_round", "bce_losses", "mixture_scores")}
+    names = ("sgd_round", "personal_round", "bce_losses", "mixture_scores")
+    loops = {name: getattr(kernels, name) for name in names}
     for name, loop in loops.items():
 
         def record(*args, name=name, loop=loop):
@@ -250,10 +274,12 @@ def test_kernel_warm_up_loads_the_types_a_run_passes(monkeypatch, tmp_path):
     kernels.warm_up()
     warm = dict(seen)
     seen.clear()
-    for k, case in enumerate(("dfedem (fused SGD update)", "dfedem, momentum and decay")):
-        tr = rounds(trainer(tmp_path / str(k), "auto", CASES[case]), 2)
+    cases = [CASES["dfedem (fused SGD update)"], CASES["dfedem, momentum and decay"],
+             {"name": "pfedme", "components": 1}, {"name": "apfl", "components": 1}]  # fmt: skip
+    for k, case in enumerate(cases):
+        tr = rounds(trainer(tmp_path / str(k), "auto", case), 2)
         tr.evaluate(tr.test)
-    assert seen.keys() == warm.keys()  # the runs called all three
+    assert seen.keys() == warm.keys()  # the runs called all four
     for name, types in seen.items():
         assert types <= warm[name], name
 

@@ -14,6 +14,7 @@ import torch
 
 from gossip_pfl.algorithms.base import weighted_loss_grad
 from gossip_pfl.algorithms.losses import probabilities
+from gossip_pfl.runtime.stack import PersonalSteps
 
 
 @dataclass(frozen=True)
@@ -52,6 +53,13 @@ class PFedMeSurrogate(_PersonalModelBase):
         personal["model"][rows] = model
         return self.lam * (theta - model), loss
 
+    def compiled_steps(self, personal: dict) -> PersonalSteps:
+        """:meth:`shared_grad`'s steps for the binary linear model's compiled CPU round."""
+        return PersonalSteps(
+            "pfedme", personal["model"], lam=self.lam, inner_steps=self.inner_steps,
+            personal_lr=self.personal_lr,
+        )  # fmt: skip
+
     def eval_state(self, theta: torch.Tensor, personal: dict) -> torch.Tensor:
         return personal["model"]
 
@@ -81,6 +89,13 @@ class APFLSurrogate(_PersonalModelBase):
         personal["model"][rows] = v - self.personal_lr * alpha * g_mixed
         personal["alpha"][rows] = (alpha[:, 0, 0] - self.alpha_lr * g_alpha).clamp(0.0, 1.0)
         return weighted_loss_grad(ctx, theta, x, y, sw, self.batch_size)
+
+    def compiled_steps(self, personal: dict) -> PersonalSteps:
+        """:meth:`shared_grad`'s steps for the binary linear model's compiled CPU round."""
+        return PersonalSteps(
+            "apfl", personal["model"], personal["alpha"], personal_lr=self.personal_lr,
+            alpha_lr=self.alpha_lr,
+        )  # fmt: skip
 
     def eval_state(self, theta: torch.Tensor, personal: dict) -> torch.Tensor:
         alpha = personal["alpha"][:, None, None]

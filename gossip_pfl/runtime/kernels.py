@@ -1,7 +1,8 @@
 """Compiled CPU loops (numba) for the binary linear model: a round of SGD without momentum
 (plain, or with FedProx's proximal term, weight decay or SCAFFOLD's correction; with FedEM's
-E-step, peer by peer, before the peer's steps), the E-step's losses and the mixture's scores,
-each one pass over a peer's samples; and the round plan's shuffles (:func:`permutations`).
+E-step, peer by peer, before the peer's steps; :func:`personal_round`: with pFedMe's or APFL's
+personal models), the E-step's losses and the mixture's scores, each one pass over a peer's
+samples; and the round plan's shuffles (:func:`permutations`).
 
 Why: with M = 3 components the linear model's products have three output columns, which
 torch runs as small batched GEMMs far below this CPU's memory speed, and a step first gathers
@@ -199,7 +200,7 @@ def sgd_round(
     sample n's summed weight in the batch, 0 if not in it; a sample drawn twice, as fixed
     local steps may draw it across two permutations, counts twice)."""
     L, M, P = theta.shape
-    S, B = idx.shape[1:]
+    S = idx.shape[1]
     weighted = q.shape[0] > 0
     g = np.zeros((M, P), dtype=np.float32)
     z = np.zeros(M, dtype=np.float32)
@@ -211,6 +212,7 @@ def sgd_round(
     zs = np.zeros((M, labels.shape[1] if e_step else 0), dtype=np.float32)
     affine_on, shift_on = affine.shape[0] > 0, shift.shape[0] > 0
     start = np.zeros((M, P), dtype=np.float32)  # the peer's theta as the round starts
+    wts = np.zeros(labels.shape[1], dtype=np.float32)
     for p in range(lo, hi):
         th = theta[p]
         prox = affine[p, 0] if affine_on else np.float32(0.0)
@@ -222,23 +224,14 @@ def sgd_round(
                     zs)  # fmt: skip
         stepped = False
         for s in range(S):
-            taken = False
-            for b in range(B):
-                if weight[p, s, b] > 0:
-                    in_batch[idx[p, s, b]] += weight[p, s, b]
-                    taken = True
-            if not taken:
+            k = _batch(idx[p, s], weight[p, s], counts[p], in_batch, order, wts)
+            if k == 0:
                 continue
             first = not stepped
             stepped = True
-            k = 0  # the batch's samples in order, without a branch per sample
-            for n in range(counts[p]):
-                order[k] = n
-                k += in_batch[n] != 0
             for j in range(k):
                 n = order[j]
-                wn = in_batch[n]
-                in_batch[n] = 0
+                wn = wts[j]
                 if e_step and first:  # theta is the round's start: the E-step's logits
                     for m in range(M):
                         z[m] = zs[m, n]
@@ -250,18 +243,134 @@ def sgd_round(
                     c = wc * q[p, m, n] if weighted else wc
                     r[j, m] = c / (np.float32(1.0) + np.exp(-z[m])) - yn * c
             _accumulate(g, x, offsets[p], order, r, k)
-            if affine_on or shift_on:
+            _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on)
+
+
+@njit(inline="always")
+def _batch(idx, weight, n_p, in_batch, order, wts):
+    """One step's batch (``idx``, ``weight`` (B,) of the round's plan, a peer with ``n_p``
+    samples): its samples in the order they are stored into ``order``, each one's summed
+    weight into ``wts``; the number of them (0: no step). ``in_batch`` (all zero) is left
+    zero."""
+    for b in range(idx.shape[0]):
+        if weight[b] > 0:
+            in_batch[idx[b]] += weight[b]
+    k = 0  # without a branch per sample
+    for n in range(n_p):
+        order[k] = n
+        k += in_batch[n] != 0
+    for j in range(k):
+        wts[j] = in_batch[order[j]]
+        in_batch[order[j]] = 0
+    return k
+
+
+@njit(inline="always", fastmath=_FAST)
+def _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on):
+    """th += g, with ``affine_on`` plus ``prox (th - start) + decay th``, with ``shift_on``
+    plus ``shift[p]`` (the kernels' coefficients hold -lr); g is left zero."""
+    M, P = th.shape
+    if affine_on or shift_on:
+        for m in range(M):
+            for i in range(P):
+                v = th[m, i]
+                u = g[m, i] + prox * (v - start[m, i]) + decay * v
+                th[m, i] = v + (u + shift[p, m, i] if shift_on else u)
+                g[m, i] = 0
+    else:
+        for m in range(M):
+            for i in range(P):
+                th[m, i] += g[m, i]
+                g[m, i] = 0
+
+
+@njit(inline="always", fastmath=_FAST)
+def _bce_grad(th, x, base, labels, order, wts, k, scale, r, z, g):
+    """g += scale sum_j wts[j] (sigmoid(th . x_n) - y_n) x_n over the batch's samples
+    n = order[j] (j < k), as the round's steps take them (:func:`_accumulate`)."""
+    P = th.shape[1]
+    M = th.shape[0]
+    for j in range(k):
+        n = order[j]
+        _dots(th, x[base + n], P, z)
+        c = wts[j] * scale
+        yn = np.float32(labels[n])
+        for m in range(M):
+            r[j, m] = c / (np.float32(1.0) + np.exp(-z[m])) - yn * c
+    _accumulate(g, x, base, order, r, k)
+
+
+PFEDME, APFL = 1, 2  # personal_round's kinds
+
+
+@njit(**_OPTS)
+def personal_round(
+    lo, hi, theta, x, offsets, counts, labels, idx, weight, step, affine, shift, model, alpha,
+    kind, inv_b, lam, inner_steps, personal_lr, alpha_lr,
+):  # fmt: skip
+    """A round of SGD on the shared model theta (L, M, P) of pFedMe or APFL (``kind``), with
+    each peer's personal model ``model`` (L, M, P) and APFL's weight ``alpha`` (L,) updated
+    in each step, as their torch forms do (:mod:`gossip_pfl.algorithms.personal`), all in
+    place. The plan, ``step`` (each peer's -lr, not divided by B), ``affine`` and ``shift``
+    as in :func:`sgd_round`; a gradient is of the log-loss summed with the plan's weights
+    times ``inv_b`` (1 / B). A step of
+
+    - pFedMe: ``inner_steps`` times v -= personal_lr (grad f(v) + lam (v - theta)), then
+      theta += step lam (theta - v);
+    - APFL: at w = alpha v + (1 - alpha) theta, v -= personal_lr alpha grad f(w) and alpha
+      -= alpha_lr (v - theta) . grad f(w) (clamped to [0, 1], from v before its update),
+      then theta += step grad f(theta).
+
+    The batch's rows are read once from memory and stay in the core's cache for the step's
+    gradients (pFedMe: six passes over them, APFL two)."""
+    L, M, P = theta.shape
+    S = idx.shape[1]
+    g = np.zeros((M, P), dtype=np.float32)
+    z = np.zeros(M, dtype=np.float32)
+    mixed = np.zeros((M, P), dtype=np.float32)
+    in_batch = np.zeros(labels.shape[1], dtype=np.float32)
+    order = np.zeros(labels.shape[1], dtype=np.int64)
+    wts = np.zeros(labels.shape[1], dtype=np.float32)
+    r = np.zeros((labels.shape[1], M), dtype=np.float32)
+    affine_on, shift_on = affine.shape[0] > 0, shift.shape[0] > 0
+    start = np.zeros((M, P), dtype=np.float32)
+    one = np.float32(1.0)
+    for p in range(lo, hi):
+        th, v, base = theta[p], model[p], offsets[p]
+        prox = affine[p, 0] if affine_on else np.float32(0.0)
+        decay = affine[p, 1] if affine_on else np.float32(0.0)
+        if prox != 0:
+            start[:] = th
+        for s in range(S):
+            k = _batch(idx[p, s], weight[p, s], counts[p], in_batch, order, wts)
+            if k == 0:
+                continue
+            if kind == PFEDME:
+                for _ in range(inner_steps):
+                    _bce_grad(v, x, base, labels[p], order, wts, k, inv_b, r, z, g)
+                    for m in range(M):
+                        for i in range(P):
+                            u = v[m, i]
+                            v[m, i] = u - personal_lr * (g[m, i] + lam * (u - th[m, i]))
+                            g[m, i] = 0
                 for m in range(M):
                     for i in range(P):
-                        v = th[m, i]
-                        u = g[m, i] + prox * (v - start[m, i]) + decay * v
-                        th[m, i] = v + (u + shift[p, m, i] if shift_on else u)
-                        g[m, i] = 0
+                        g[m, i] = step[p] * (lam * (th[m, i] - v[m, i]))
             else:
+                a = alpha[p]
                 for m in range(M):
                     for i in range(P):
-                        th[m, i] += g[m, i]
+                        mixed[m, i] = a * v[m, i] + (one - a) * th[m, i]
+                _bce_grad(mixed, x, base, labels[p], order, wts, k, inv_b, r, z, g)
+                g_alpha = np.float32(0.0)
+                for m in range(M):
+                    for i in range(P):
+                        g_alpha += (v[m, i] - th[m, i]) * g[m, i]
+                        v[m, i] -= personal_lr * a * g[m, i]
                         g[m, i] = 0
+                alpha[p] = min(max(a - alpha_lr * g_alpha, np.float32(0.0)), one)
+                _bce_grad(th, x, base, labels[p], order, wts, k, step[p] * inv_b, r, z, g)
+            _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on)
 
 
 @njit(**_OPTS)
@@ -329,6 +438,9 @@ def warm_up() -> None:
     pi, cube_i, cube_f = np.zeros((1, 1), f32), np.zeros((1, 1, 1), i64), np.zeros((1, 1, 1), f32)
     sgd_round(0, 0, theta, x, ints, ints, labels, cube_i, cube_f, floats, cube_f, pi, f32(0), pi,
               np.zeros((0, 2), f32), cube_f)  # fmt: skip
+    personal_round(0, 0, theta, x, ints, ints, labels, cube_i, cube_f, floats,
+                   np.zeros((0, 2), f32), cube_f, theta, floats, PFEDME, f32(1), f32(0), 1,
+                   f32(0), f32(0))  # fmt: skip
     bce_losses(0, 0, theta, x, ints, ints, labels, cube_f)
     mixture_scores(0, 0, theta, pi, cube_f, labels, ints, np.zeros(1), np.zeros(1))
 

@@ -45,6 +45,22 @@ class PendingEStep:
         return cls(pi, smoothing, q, torch.empty(L, M, dtype=torch.float32, device=pi.device))
 
 
+@dataclass(frozen=True)
+class PersonalSteps:
+    """A step of pFedMe or APFL (``kind``) for the round's compiled loop
+    (:meth:`BatchedForward.linear_sgd_round`, :func:`gossip_pfl.runtime.kernels.
+    personal_round`): the personal models ``model`` (L, M, P) and APFL's weights ``alpha``
+    (L,), updated in place, and the surrogate's constants (those of the other kind unused)."""
+
+    kind: str  #: "pfedme" | "apfl"
+    model: torch.Tensor
+    alpha: torch.Tensor | None = None
+    lam: float = 0.0
+    inner_steps: int = 0
+    personal_lr: float = 0.0
+    alpha_lr: float = 0.0
+
+
 class ParamLayout:
     """Names, shapes and offsets of a model's parameters inside a flat vector."""
 
@@ -289,6 +305,7 @@ class BatchedForward:
         self, theta: torch.Tensor, split, batches: tuple, neg_step: np.ndarray,
         q: torch.Tensor | PendingEStep | None, batch_size: int,
         affine: tuple[np.ndarray, np.ndarray | None] | None = None,
+        personal: PersonalSteps | None = None,
     ) -> None:  # fmt: skip
         """A round of SGD on the binary linear model's log-loss, in place on theta
         (L, M, P = [W, b]). ``batches``: the round's plan over ``split``, (idx, weight) of
@@ -301,10 +318,16 @@ class BatchedForward:
         GPU with ``runtime.cuda_graphs`` replayed as a CUDA graph per shape. ``affine``
         (kernels only): each step's added terms times -lr, (L, 2) FedProx's proximal term's
         and weight decay's coefficients and (L, M, P) SCAFFOLD's correction or None (the
-        kernel's ``affine`` and ``shift``); None: plain SGD."""
+        kernel's ``affine`` and ``shift``); None: plain SGD. ``personal`` (kernels only, ``q``
+        None): each step is pFedMe's or APFL's (:func:`gossip_pfl.runtime.kernels.
+        personal_round`)."""
         idx, weight, *host = batches
-        if affine is not None and not self.kernels:
-            raise RuntimeError("the proximal, decay and correction terms need the compiled loops")
+        if (affine is not None or personal is not None) and not self.kernels:
+            raise RuntimeError("the added terms and personal steps need the compiled loops")
+        if personal is not None:
+            self._personal_round(theta, split, idx, weight, neg_step, batch_size, affine,
+                                 personal)  # fmt: skip
+            return
         if self.kernels:
             none = np.zeros((0, 0), np.float32)
             pi, eps, new_pi = none, np.float32(0), none
@@ -312,14 +335,9 @@ class BatchedForward:
                 pi, eps = q.old_pi.float().contiguous().numpy(), np.float32(q.smoothing)
                 new_pi, q = q.pi.numpy(), q.q
             qa = np.zeros((0, 0, 0), np.float32) if q is None else q.contiguous().numpy()
-            coef, shift = affine if affine is not None else (None, None)
-            coef = np.zeros((0, 2), np.float32) if coef is None else coef
-            shift = np.zeros((0, 0, 0), np.float32) if shift is None else shift
-            self._compiled("sgd_round", split, theta.numpy(), split.augmented.numpy(),
-                           split.offsets, split.host_counts, split.host_y,
-                           idx.transpose(1, 0, 2), weight.transpose(1, 0, 2),
-                           neg_step * np.float32(1.0 / batch_size), qa, pi, eps,
-                           new_pi, coef, shift)  # fmt: skip
+            self._compiled("sgd_round", split, theta.numpy(), *self._plan_args(split, idx, weight),
+                           neg_step * np.float32(1.0 / batch_size), qa, pi, eps, new_pi,
+                           *_affine_args(affine))  # fmt: skip
             return
         if isinstance(q, PendingEStep):
             raise RuntimeError("a pending E-step needs the compiled CPU loops (kernels)")
@@ -345,6 +363,24 @@ class BatchedForward:
                         places=(theta, split.augmented))  # fmt: skip
         else:
             steps(*inputs)
+
+    def _personal_round(self, theta, split, idx, weight, neg_step, batch_size, affine,
+                        personal: PersonalSteps) -> None:  # fmt: skip
+        """:meth:`linear_sgd_round`'s compiled loop with pFedMe's or APFL's steps."""
+        k, f32 = self._kernels, np.float32
+        alpha = np.zeros(0, f32) if personal.alpha is None else personal.alpha.numpy()
+        kind = {"pfedme": k.PFEDME, "apfl": k.APFL}[personal.kind]
+        self._compiled("personal_round", split, theta.numpy(),
+                       *self._plan_args(split, idx, weight), neg_step, *_affine_args(affine),
+                       personal.model.numpy(), alpha, kind, f32(1.0 / batch_size),
+                       f32(personal.lam), personal.inner_steps, f32(personal.personal_lr),
+                       f32(personal.alpha_lr))  # fmt: skip
+
+    @staticmethod
+    def _plan_args(split, idx: np.ndarray, weight: np.ndarray) -> tuple:
+        """The compiled round's samples and plan (peer axis first)."""
+        return (split.augmented.numpy(), split.offsets, split.host_counts, split.host_y,
+                idx.transpose(1, 0, 2), weight.transpose(1, 0, 2))  # fmt: skip
 
     def _compiled(self, name: str, split, *args) -> None:
         """The compiled loop ``name`` of :mod:`gossip_pfl.runtime.kernels` over ``split``'s
@@ -473,3 +509,10 @@ class BatchedForward:
             how = "the model's batched layers" if self.native else "vmap"
             return f"batched over peers and components ({how})"
         return f"per-peer loop ({self.reason or 'requested'})"
+
+
+def _affine_args(affine: tuple[np.ndarray, np.ndarray | None] | None) -> tuple:
+    """The compiled round's ``affine`` and ``shift`` (empty: none)."""
+    coef, shift = affine if affine is not None else (None, None)
+    coef = np.zeros((0, 2), np.float32) if coef is None else coef
+    return coef, np.zeros((0, 0, 0), np.float32) if shift is None else shift
