@@ -134,19 +134,26 @@ def test_personal_models_score_as_a_mixture_of_one(name, tmp_path):
         assert 0.3 < float(acc.mean()) < 1  # not a degenerate case
 
 
-@pytest.mark.parametrize("algorithm", [
-    {"name": "dfedem", "components": 3},
-    {"name": "fedavg", "components": 1},
-    {"name": "dfedem", "components": 2, "local_steps": 3},
+KERNEL_CASES = {
+    "dfedem": {"name": "dfedem", "components": 3},
+    "fedavg": {"name": "fedavg", "components": 1},
+    "dfedem fixed steps": {"name": "dfedem", "components": 2, "local_steps": 3},
     # steps with terms linear in the parameters: the proximal term (mu large enough to
     # matter), weight decay with FedEM's weights, SCAFFOLD's correction (after round 0)
-    {"name": "fedprox", "components": 1, "mu": 2.0, "weight_decay": 0.05},
-    {"name": "fedem", "components": 2, "weight_decay": 0.05},
-    {"name": "scaffold", "components": 1, "lr_decay": [0.5]},
-    # personal models: pFedMe's inner steps, APFL's learned alpha with weight decay
-    {"name": "pfedme", "components": 1, "mu": 15.0, "inner_steps": 3, "personal_lr": 0.02},
-    {"name": "apfl", "components": 1, "alpha": 0.25, "alpha_lr": 0.05, "weight_decay": 0.05},
-])  # fmt: skip
+    "fedprox decay": {"name": "fedprox", "components": 1, "mu": 2.0, "weight_decay": 0.05},
+    "fedem decay": {"name": "fedem", "components": 2, "weight_decay": 0.05},
+    "scaffold": {"name": "scaffold", "components": 1, "lr_decay": [0.5]},
+    # personal models: pFedMe's inner steps, APFL's learned alpha with weight decay, and
+    # APFL's alpha driven to both bounds of its clamp (and between them)
+    "pfedme": {"name": "pfedme", "components": 1, "mu": 15.0, "inner_steps": 3,
+               "personal_lr": 0.02},
+    "apfl decay": {"name": "apfl", "components": 1, "alpha": 0.25, "alpha_lr": 0.05,
+                   "weight_decay": 0.05},
+    "apfl clamped": {"name": "apfl", "components": 1, "alpha": 0.98, "alpha_lr": 5.0},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("algorithm", list(KERNEL_CASES.values()), ids=list(KERNEL_CASES))
 def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_path):
     """runtime.cpu_kernels (compiled loops: the round, E-step losses, scores) == the torch
     operations after three rounds, up to float rounding; and the same bits with 1 or 3
@@ -176,6 +183,9 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
                                rtol=1e-5, atol=1e-6)  # fmt: skip
     for k, v in torch_ops.personal.items():
         torch.testing.assert_close(fast.personal[k], v, rtol=1e-5, atol=1e-6)
+    if algorithm.get("alpha_lr") == 5.0:  # the clamp case reaches 0, 1 and a value between
+        alpha = fast.personal["alpha"]
+        assert (alpha == 0).any() and (alpha == 1).any() and ((alpha > 0) & (alpha < 1)).any()
     L = len(fast.peers)
     for split in (fast.train, fast.test):
         for got, want in zip(fast.scores(split, fast.nodes[:L], fast.personal),
@@ -185,9 +195,11 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
     for threads in (1, 3):  # the loops take the torch thread count; torch's own ops keep 1
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch, "get_num_threads", lambda n=threads: n)
-            runs.append(rounds(trainer(tmp_path, "auto", algorithm)).shared_parameters())
-    np.testing.assert_array_equal(runs[0], runs[1])
-    np.testing.assert_array_equal(runs[0], fast.shared_parameters())
+            runs.append(rounds(trainer(tmp_path, "auto", algorithm)))
+    for tr in (runs[1], fast):  # the shared and the personal state, bit for bit
+        np.testing.assert_array_equal(runs[0].shared_parameters(), tr.shared_parameters())
+        for k, v in runs[0].personal.items():
+            torch.testing.assert_close(tr.personal[k], v, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("threads", [2, 3])

@@ -252,9 +252,13 @@ def _batch(idx, weight, n_p, in_batch, order, wts):
     samples): its samples in the order they are stored into ``order``, each one's summed
     weight into ``wts``; the number of them (0: no step). ``in_batch`` (all zero) is left
     zero."""
+    taken = False
     for b in range(idx.shape[0]):
         if weight[b] > 0:
             in_batch[idx[b]] += weight[b]
+            taken = True
+    if not taken:  # (a peer sitting out, a short peer's last steps: no pass over its samples)
+        return 0
     k = 0  # without a branch per sample
     for n in range(n_p):
         order[k] = n
