@@ -482,7 +482,8 @@ class Trainer(RoundLoop):
         affine = not plain and self._affine_sgd()  # (the compiled loops add its terms)
         # pFedMe's and APFL's steps with the compiled loops
         steps_of = None
-        if (plain or affine) and self.forward.kernels and self._personal_linear():
+        compiled = self.forward.kernels and self._personal_linear() and not self.track_loss
+        if (plain or affine) and compiled:
             steps_of = self.surrogate.compiled_steps(personal)
         fused = (plain or affine) and (self._fused_linear() or steps_of is not None)  # one call
         # the torch operations' host side of the fused step, drawn with the plan
@@ -499,8 +500,9 @@ class Trainer(RoundLoop):
                 neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_host
             qe = q if q is None or isinstance(q, PendingEStep) else q.expand(L, self.M, -1)
             terms = self._affine_terms(neg) if affine else None
+            losses = self.last_loss.numpy() if self.track_loss else None  # (in place)
             self.forward.linear_sgd_round(theta, self.train, (idx, weight, *host), neg, qe,
-                                          a.batch_size, terms, steps_of)  # fmt: skip
+                                          a.batch_size, terms, steps_of, losses)  # fmt: skip
             self._record_eta(opt_state, factor, taken)
             return
         prefix = self.device.type in REORDER_ON
@@ -707,11 +709,12 @@ class Trainer(RoundLoop):
 
     def _affine_sgd(self) -> bool:
         """SGD without momentum whose step adds terms linear in the parameters (FedProx's
-        proximal term, weight decay, SCAFFOLD's correction), no loss kept or searched: with
-        the compiled CPU loops, the round's steps are one call as plain SGD's are."""
+        proximal term, weight decay, SCAFFOLD's correction) or keeps its loss for the rule
+        (FedLi-LU), no line search: with the compiled CPU loops, the round's steps are one
+        call as plain SGD's are."""
         solver = self.solver
         return (self.forward.kernels and type(solver) is LocalSGD and not solver.momentum
-                and not self.track_loss and not self.line_search)  # fmt: skip
+                and not self.line_search)  # fmt: skip
 
     def _affine_terms(self, neg: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
         """The compiled round's added terms times each peer's -lr (``neg``, (L,) float32):

@@ -150,6 +150,9 @@ KERNEL_CASES = {
     "apfl decay": {"name": "apfl", "components": 1, "alpha": 0.25, "alpha_lr": 0.05,
                    "weight_decay": 0.05},
     "apfl clamped": {"name": "apfl", "components": 1, "alpha": 0.98, "alpha_lr": 5.0},
+    # each step's loss kept for the rule (FedLi-LU's), and weighted by FedEM's q
+    "fedli_lu decay": {"name": "fedli_lu", "components": 1, "weight_decay": 0.05},
+    "fedem, fedli_lu rule": {"name": "fedem", "components": 2, "rule": {"name": "fedli_lu"}},
 }  # fmt: skip
 
 
@@ -158,9 +161,9 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
     """runtime.cpu_kernels (compiled loops: the round, E-step losses, scores) == the torch
     operations after three rounds, up to float rounding; and the same bits with 1 or 3
     kernel threads (each peer is one thread's). The round is one compiled call for plain
-    SGD, for the terms the kernel adds (FedProx's, weight decay, SCAFFOLD's) and for
-    pFedMe's and APFL's steps, whose personal models (and APFL's alpha) move as the torch
-    operations move them."""
+    SGD, for the terms the kernel adds (FedProx's, weight decay, SCAFFOLD's), for the losses
+    it keeps for FedLi's rule and for pFedMe's and APFL's steps, whose personal models (and
+    APFL's alpha) move as the torch operations move them."""
     pytest.importorskip("numba")
     calls = []
     with pytest.MonkeyPatch.context() as mp:
@@ -183,6 +186,8 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
                                rtol=1e-5, atol=1e-6)  # fmt: skip
     for k, v in torch_ops.personal.items():
         torch.testing.assert_close(fast.personal[k], v, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fast.last_loss, torch_ops.last_loss, rtol=1e-5, atol=1e-6)
+    assert (fast.last_loss > 0).all() == fast.track_loss  # (kept: every peer stepped)
     if algorithm.get("alpha_lr") == 5.0:  # the clamp case reaches 0, 1 and a value between
         alpha = fast.personal["alpha"]
         assert (alpha == 0).any() and (alpha == 1).any() and ((alpha > 0) & (alpha < 1)).any()

@@ -173,7 +173,8 @@ def _accumulate(g, x, base, order, r, k):
 
 @njit(**_OPTS)
 def sgd_round(
-    lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q, pi, eps, new_pi, affine, shift
+    lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q, pi, eps, new_pi, affine, shift,
+    losses,
 ):  # fmt: skip
     """A round of SGD on sum_b w_b q_bm log-loss(z_bm), in place on theta (L, M, P).
 
@@ -198,7 +199,9 @@ def sgd_round(
     (0, 0, 0)) ``shift[p]`` (SCAFFOLD's correction times -lr). A batch's samples are taken
     in the order they are stored, so that the CPU prefetches their rows (``in_batch[n]``:
     sample n's summed weight in the batch, 0 if not in it; a sample drawn twice, as fixed
-    local steps may draw it across two permutations, counts twice)."""
+    local steps may draw it across two permutations, counts twice). With ``losses`` (L,)
+    float64 (not shape (0,)), a peer that steps gets its last step's objective there (FedLi's:
+    sum_b w_b q_bm log-loss(z_bm) / max(sum_b w_b, 1), at the step's starting theta)."""
     L, M, P = theta.shape
     S = idx.shape[1]
     weighted = q.shape[0] > 0
@@ -213,7 +216,14 @@ def sgd_round(
     affine_on, shift_on = affine.shape[0] > 0, shift.shape[0] > 0
     start = np.zeros((M, P), dtype=np.float32)  # the peer's theta as the round starts
     wts = np.zeros(labels.shape[1], dtype=np.float32)
+    tracking = losses.shape[0] > 0
     for p in range(lo, hi):
+        last = -1  # the peer's last step, whose objective it keeps
+        if tracking:
+            for s in range(S):
+                for b in range(idx.shape[2]):
+                    if weight[p, s, b] > 0:
+                        last = s
         th = theta[p]
         prox = affine[p, 0] if affine_on else np.float32(0.0)
         decay = affine[p, 1] if affine_on else np.float32(0.0)
@@ -229,6 +239,8 @@ def sgd_round(
                 continue
             first = not stepped
             stepped = True
+            keep = s == last
+            total = summed = 0.0
             for j in range(k):
                 n = order[j]
                 wn = wts[j]
@@ -242,6 +254,14 @@ def sgd_round(
                 for m in range(M):
                     c = wc * q[p, m, n] if weighted else wc
                     r[j, m] = c / (np.float32(1.0) + np.exp(-z[m])) - yn * c
+                if keep:
+                    summed += wn
+                    for m in range(M):
+                        zm = z[m]
+                        bce = max(zm, 0.0) - zm * yn + math.log1p(math.exp(-abs(zm)))
+                        total += wn * (q[p, m, n] if weighted else 1.0) * bce
+            if keep:
+                losses[p] = total / max(summed, 1.0)
             _accumulate(g, x, offsets[p], order, r, k)
             _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on)
 
@@ -441,7 +461,7 @@ def warm_up() -> None:
     ints, floats = np.zeros(1, i64), np.zeros(1, f32)  # per peer: offsets, counts; step
     pi, cube_i, cube_f = np.zeros((1, 1), f32), np.zeros((1, 1, 1), i64), np.zeros((1, 1, 1), f32)
     sgd_round(0, 0, theta, x, ints, ints, labels, cube_i, cube_f, floats, cube_f, pi, f32(0), pi,
-              np.zeros((0, 2), f32), cube_f)  # fmt: skip
+              np.zeros((0, 2), f32), cube_f, np.zeros(0))  # fmt: skip
     personal_round(0, 0, theta, x, ints, ints, labels, cube_i, cube_f, floats,
                    np.zeros((0, 2), f32), cube_f, theta, floats, PFEDME, f32(1), f32(0), 1,
                    f32(0), f32(0))  # fmt: skip

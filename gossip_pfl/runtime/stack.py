@@ -306,6 +306,7 @@ class BatchedForward:
         q: torch.Tensor | PendingEStep | None, batch_size: int,
         affine: tuple[np.ndarray, np.ndarray | None] | None = None,
         personal: PersonalSteps | None = None,
+        losses: np.ndarray | None = None,
     ) -> None:  # fmt: skip
         """A round of SGD on the binary linear model's log-loss, in place on theta
         (L, M, P = [W, b]). ``batches``: the round's plan over ``split``, (idx, weight) of
@@ -320,10 +321,13 @@ class BatchedForward:
         and weight decay's coefficients and (L, M, P) SCAFFOLD's correction or None (the
         kernel's ``affine`` and ``shift``); None: plain SGD. ``personal`` (kernels only, ``q``
         None): each step is pFedMe's or APFL's (:func:`gossip_pfl.runtime.kernels.
-        personal_round`)."""
+        personal_round`). ``losses`` (L,) float64 (kernels only, not with ``personal``): each
+        peer that steps keeps its last step's objective there (FedLi's)."""
         idx, weight, *host = batches
-        if (affine is not None or personal is not None) and not self.kernels:
-            raise RuntimeError("the added terms and personal steps need the compiled loops")
+        if (affine is not None or personal is not None or losses is not None) and not self.kernels:
+            raise RuntimeError("the added terms, personal steps and losses need the compiled loops")
+        if personal is not None and losses is not None:
+            raise RuntimeError("the personal steps keep no losses")
         if personal is not None:
             self._personal_round(theta, split, idx, weight, neg_step, batch_size, affine,
                                  personal)  # fmt: skip
@@ -337,7 +341,8 @@ class BatchedForward:
             qa = np.zeros((0, 0, 0), np.float32) if q is None else q.contiguous().numpy()
             self._compiled("sgd_round", split, theta.numpy(), *self._plan_args(split, idx, weight),
                            neg_step * np.float32(1.0 / batch_size), qa, pi, eps, new_pi,
-                           *_affine_args(affine))  # fmt: skip
+                           *_affine_args(affine),
+                           np.zeros(0) if losses is None else losses)  # fmt: skip
             return
         if isinstance(q, PendingEStep):
             raise RuntimeError("a pending E-step needs the compiled CPU loops (kernels)")
