@@ -191,9 +191,9 @@ class RuntimeConfig:
     #: CPU only: the binary linear model's local round of SGD without momentum (with a
     #: mixture's E-step, peer by peer before its steps; with FedProx's proximal term, weight
     #: decay and SCAFFOLD's correction; keeping FedLi-LU's losses; with pFedMe's and APFL's
-    #: personal models), E-step losses and scores as compiled loops (numba;
-    #: gossip_pfl/runtime/kernels.py); false runs them as torch operations, as on a GPU (the
-    #: same numbers up to float rounding)
+    #: personal models; FedLi-LS's line search), E-step losses and scores as compiled loops
+    #: (numba; gossip_pfl/runtime/kernels.py); false runs them as torch operations, as on a
+    #: GPU (the same numbers up to float rounding)
     cpu_kernels: bool = True
     #: CUDA only: the binary linear model's local SGD steps as one CUDA graph, captured in the
     #: first round and replayed after (the same kernels, one launch; 200 synthetic rounds 1.39

@@ -495,6 +495,12 @@ class Trainer(RoundLoop):
         if not np.array_equal(taken, self._taken):  # a round like the last one: no upload
             self.steps_taken.copy_(self.uploads("taken", taken))
             self._taken = np.array(taken, dtype=np.float64)
+        if self._armijo_linear():  # FedLi-LS's line search: the round in one call
+            qe = None if q is None else q.expand(L, self.M, -1)
+            self.forward.linear_armijo_round(theta, self.train, (idx, weight), qe, a.batch_size,
+                                             self.solver, opt_state.eta, self.last_loss,
+                                             self._batches_host)  # fmt: skip
+            return
         if fused:
             with np.errstate(over="ignore"):  # an lr past float32: the finite check names it
                 neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_host
@@ -744,6 +750,19 @@ class Trainer(RoundLoop):
             and self.task == "binary"
             and type(self.surrogate) is MixtureSurrogate
         )
+
+    def _armijo_linear(self) -> bool:
+        """The line search (FedLi-LS's clients) as one compiled call a round: the binary
+        linear model under a mixture or plain-risk surrogate, with the compiled CPU loops,
+        no client correction."""
+        return (self.line_search and self.forward.kernels and self.client is None
+                and self._fused_linear())  # fmt: skip
+
+    @property
+    def _batches_host(self) -> np.ndarray:
+        if "_batches_np" not in self.__dict__:
+            self._batches_np = self.batches_per_epoch.cpu().numpy().astype(np.int64)
+        return self._batches_np
 
     def _personal_linear(self) -> bool:
         """A personal-model surrogate (pFedMe, APFL: ``compiled_steps``) on the binary linear

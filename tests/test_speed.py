@@ -48,6 +48,7 @@ def trainer(tmp_path, batching: str, algorithm: dict, task: str = "binary",
             device: str = "cpu", sizes: list | None = None, **runtime) -> Trainer:  # fmt: skip
     algorithm = dict(algorithm)
     rule = algorithm.pop("rule", None)  # (a case's rule section, beside its algorithm)
+    search = algorithm.pop("line_search", None)  # (and its line search's)
     name = algorithm["name"]
     gossip = name in ("dfedem", "dsgd")
     cfg = load_config(
@@ -56,6 +57,7 @@ def trainer(tmp_path, batching: str, algorithm: dict, task: str = "binary",
             "rounds": 3,
             "algorithm": {"batch_size": 16, "lr": 0.2, **algorithm},
             **({"rule": rule} if rule else {}),
+            **({"line_search": search} if search else {}),
             **({"schedule": {"graph": "ring", "weights": "metropolis"}} if gossip else {}),
             "runtime": {"device": device, "batching": batching, **runtime},
             "out": str(tmp_path / batching),
@@ -153,6 +155,15 @@ KERNEL_CASES = {
     # each step's loss kept for the rule (FedLi-LU's), and weighted by FedEM's q
     "fedli_lu decay": {"name": "fedli_lu", "components": 1, "weight_decay": 0.05},
     "fedem, fedli_lu rule": {"name": "fedem", "components": 2, "rule": {"name": "fedli_lu"}},
+    # FedLi-LS's line search: eta_max large enough that trials fail, the step sizes grown,
+    # kept with decay, and under FedEM's q with another beta. (Not a reset to eta_max with few
+    # trials: there a batch the model separates has losses of ~1e-7, which the torch form
+    # rounds to multiples of ulp(z), and trials pass or fail on that rounding.)
+    "fedli_ls grow": {"name": "fedli_ls", "components": 1, "line_search": {"eta_max": 100.0}},
+    "fedli_ls keep, decay": {"name": "fedli_ls", "components": 1, "weight_decay": 0.05,
+                             "line_search": {"eta_max": 100.0, "reset": "keep"}},
+    "fedem, fedli_ls rule": {"name": "fedem", "components": 2, "rule": {"name": "fedli_ls"},
+                             "line_search": {"eta_max": 20.0, "beta": 0.5}},
 }  # fmt: skip
 
 
@@ -169,9 +180,10 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
     with pytest.MonkeyPatch.context() as mp:
         from gossip_pfl.runtime.stack import BatchedForward
 
-        real = BatchedForward.linear_sgd_round
-        mp.setattr(BatchedForward, "linear_sgd_round",
-                   lambda self, *a: calls.append(self.kernels) or real(self, *a))  # fmt: skip
+        for name in ("linear_sgd_round", "linear_armijo_round"):
+            real = getattr(BatchedForward, name)
+            mp.setattr(BatchedForward, name, lambda self, *a, real=real: (
+                calls.append(self.kernels) or real(self, *a)))  # fmt: skip
         rounds(trainer(tmp_path / "calls", "auto", algorithm))
     assert calls == [True] * 3
     if "local_steps" in algorithm:  # fixed steps: a batch may take a sample twice (it counts twice)
@@ -187,7 +199,11 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
     for k, v in torch_ops.personal.items():
         torch.testing.assert_close(fast.personal[k], v, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fast.last_loss, torch_ops.last_loss, rtol=1e-5, atol=1e-6)
-    assert (fast.last_loss > 0).all() == fast.track_loss  # (kept: every peer stepped)
+    kept = fast.track_loss or fast.line_search
+    assert (fast.last_loss > 0).all() == kept  # (kept: every peer stepped)
+    torch.testing.assert_close(fast.opt_state.eta, torch_ops.opt_state.eta)  # (step sizes)
+    if "line_search" in algorithm:  # some trials failed: a step below eta_max
+        assert (fast.opt_state.eta < algorithm["line_search"]["eta_max"]).any()
     if algorithm.get("alpha_lr") == 5.0:  # the clamp case reaches 0, 1 and a value between
         alpha = fast.personal["alpha"]
         assert (alpha == 0).any() and (alpha == 1).any() and ((alpha > 0) & (alpha < 1)).any()
@@ -273,13 +289,13 @@ def test_the_cpu_loops_load_with_the_forward_that_uses_them(monkeypatch):
 def test_kernel_warm_up_loads_the_types_a_run_passes(monkeypatch, tmp_path):
     """kernels.warm_up, which the tests' fork server runs before forking ranks, calls each
     loop with the argument types a run passes: a D-FedEM round (the E-step in the loop), an
-    E-step's losses as a pass of their own (momentum), pFedMe's and APFL's rounds and an
-    evaluation find no other type (each rank would then load its own, half a second)."""
+    E-step's losses as a pass of their own (momentum), pFedMe's, APFL's and FedLi-LS's rounds
+    and an evaluation find no other type (each rank would then load its own, half a second)."""
     numba = pytest.importorskip("numba")
     from gossip_pfl.runtime import kernels
 
     seen: dict[str, set] = {}
-    names = ("sgd_round", "personal_round", "bce_losses", "mixture_scores")
+    names = ("sgd_round", "personal_round", "armijo_round", "bce_losses", "mixture_scores")
     loops = {name: getattr(kernels, name) for name in names}
     for name, loop in loops.items():
 
@@ -292,11 +308,12 @@ def test_kernel_warm_up_loads_the_types_a_run_passes(monkeypatch, tmp_path):
     warm = dict(seen)
     seen.clear()
     cases = [CASES["dfedem (fused SGD update)"], CASES["dfedem, momentum and decay"],
-             {"name": "pfedme", "components": 1}, {"name": "apfl", "components": 1}]  # fmt: skip
+             {"name": "pfedme", "components": 1}, {"name": "apfl", "components": 1},
+             {"name": "fedli_ls", "components": 1}]  # fmt: skip
     for k, case in enumerate(cases):
         tr = rounds(trainer(tmp_path / str(k), "auto", case), 2)
         tr.evaluate(tr.test)
-    assert seen.keys() == warm.keys()  # the runs called all four
+    assert seen.keys() == warm.keys()  # the runs called all five
     for name, types in seen.items():
         assert types <= warm[name], name
 

@@ -324,6 +324,116 @@ def _bce_grad(th, x, base, labels, order, wts, k, scale, r, z, g):
     _accumulate(g, x, base, order, r, k)
 
 
+@njit(inline="always", fastmath=_FAST)
+def _weighted_pass(th, x, base, labels, order, wts, k, q, p, weighted, scale, r, z, g, grad):
+    """sum_j wts[j] sum_m q_mn log-loss(z_mn) over the batch (n = order[j], j < k; q 1 unless
+    ``weighted``), in float64; with ``grad`` also g += scale sum_j wts[j] q_mn (sigmoid(z_mn)
+    - y_n) x_n (:func:`_accumulate`)."""
+    M, P = th.shape
+    total = 0.0
+    for j in range(k):
+        n = order[j]
+        _dots(th, x[base + n], P, z)
+        yn = np.float32(labels[n])
+        for m in range(M):
+            zm = z[m]
+            qm = q[p, m, n] if weighted else np.float32(1.0)
+            total += wts[j] * qm * (max(zm, 0.0) - zm * yn + math.log1p(math.exp(-abs(zm))))
+            if grad:
+                c = wts[j] * qm * scale
+                r[j, m] = c / (np.float32(1.0) + np.exp(-zm)) - yn * c
+    if grad:
+        _accumulate(g, x, base, order, r, k)
+    return total
+
+
+RESET_GROW, RESET_KEEP, RESET_MAX = 0, 1, 2  # armijo_round's resets
+
+
+@njit(**_OPTS)
+def armijo_round(
+    lo, hi, theta, x, offsets, counts, labels, idx, weight, q, eta, losses, batches, batch_size,
+    decay, prox, c, beta, eta_max, max_trials, reset,
+):  # fmt: skip
+    """A round of SGD with a stochastic Armijo line search on each minibatch (FedLi-LS's
+    client: :class:`gossip_pfl.runtime.solver.LocalArmijo`, whose torch form this follows
+    step for step), in place on theta (L, M, P), each peer's step size ``eta`` (L, float64)
+    and its last minibatch objective ``losses`` (L, float64). The plan and ``q`` as in
+    :func:`sgd_round`; the objective of a batch is its weighted log-loss over
+    max(sum of its weights, 1) plus ``decay`` / 2 ||theta||^2, the direction its gradient
+    plus ``prox`` (theta - theta at the round's start). From eta (``reset``: grown by
+    2^(1 / ``batches[p]``) up to ``eta_max``, kept, or ``eta_max``) the trials go down by
+    ``beta`` until the objective falls by ``c`` eta ||d||^2 (at most ``max_trials``, the last
+    taken); no step where ||d|| < 1e-8. Each trial's loss is a pass over the batch's rows,
+    which stay in the core's cache."""
+    L, M, P = theta.shape
+    S = idx.shape[1]
+    weighted = q.shape[0] > 0
+    g = np.zeros((M, P), dtype=np.float32)
+    d = np.zeros((M, P), dtype=np.float32)
+    cand = np.zeros((M, P), dtype=np.float32)
+    start = np.zeros((M, P), dtype=np.float32)
+    z = np.zeros(M, dtype=np.float32)
+    in_batch = np.zeros(labels.shape[1], dtype=np.float32)
+    order = np.zeros(labels.shape[1], dtype=np.int64)
+    wts = np.zeros(labels.shape[1], dtype=np.float32)
+    r = np.zeros((labels.shape[1], M), dtype=np.float32)
+    inv_b = np.float32(1.0) / np.float32(batch_size)
+    decay32, prox32 = np.float32(decay), np.float32(prox)  # (the direction's, in float32)
+    for p in range(lo, hi):
+        th, base = theta[p], offsets[p]
+        if prox != 0:
+            start[:] = th
+        for s in range(S):
+            k = _batch(idx[p, s], weight[p, s], counts[p], in_batch, order, wts)
+            if k == 0:
+                continue
+            summed = np.float32(0.0)
+            for j in range(k):
+                summed += wts[j]
+            # the torch form's factor: the batch's mean over its weights, not over B
+            mean = np.float32(batch_size) / max(summed, np.float32(1.0))
+            total = _weighted_pass(th, x, base, labels[p], order, wts, k, q, p, weighted, inv_b,
+                                   r, z, g, True)  # fmt: skip
+            losses[p] = total * inv_b * mean
+            f0, g2 = losses[p], 0.0
+            for m in range(M):
+                for i in range(P):
+                    v = th[m, i]
+                    u = decay32 * v + g[m, i] * mean
+                    if prox != 0:
+                        u += prox32 * (v - start[m, i])
+                    d[m, i] = u
+                    g[m, i] = 0
+                    f0 += 0.5 * decay * (np.float64(v) * v)
+                    g2 += np.float64(u) * u
+            if not g2 >= 1e-16:  # (||d|| < 1e-8: no step, eta as it was)
+                continue
+            tried = eta[p]
+            if reset == RESET_GROW:
+                tried = min(tried * 2.0 ** (1.0 / batches[p]), eta_max)
+            elif reset == RESET_MAX:
+                tried = eta_max
+            for trial in range(max_trials):
+                t32 = np.float32(tried)
+                f1 = 0.0
+                for m in range(M):
+                    for i in range(P):
+                        cand[m, i] = th[m, i] - t32 * d[m, i]
+                        f1 += 0.5 * decay * (np.float64(cand[m, i]) * cand[m, i])
+                loss = _weighted_pass(cand, x, base, labels[p], order, wts, k, q, p, weighted,
+                                      inv_b, r, z, g, False)  # fmt: skip
+                f1 += loss * inv_b * mean
+                if f1 <= f0 - c * tried * g2 or trial == max_trials - 1:
+                    break
+                tried = tried * beta
+            eta[p] = tried
+            t32 = np.float32(tried)
+            for m in range(M):
+                for i in range(P):
+                    th[m, i] -= t32 * d[m, i]
+
+
 PFEDME, APFL = 1, 2  # personal_round's kinds
 
 
@@ -462,6 +572,8 @@ def warm_up() -> None:
     pi, cube_i, cube_f = np.zeros((1, 1), f32), np.zeros((1, 1, 1), i64), np.zeros((1, 1, 1), f32)
     sgd_round(0, 0, theta, x, ints, ints, labels, cube_i, cube_f, floats, cube_f, pi, f32(0), pi,
               np.zeros((0, 2), f32), cube_f, np.zeros(0))  # fmt: skip
+    armijo_round(0, 0, theta, x, ints, ints, labels, cube_i, cube_f, cube_f, np.zeros(1),
+                 np.zeros(1), ints, 1, 0.0, 0.0, 0.1, 0.9, 1.0, 1, RESET_GROW)  # fmt: skip
     personal_round(0, 0, theta, x, ints, ints, labels, cube_i, cube_f, floats,
                    np.zeros((0, 2), f32), cube_f, theta, floats, PFEDME, f32(1), f32(0), 1,
                    f32(0), f32(0))  # fmt: skip

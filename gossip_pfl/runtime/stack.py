@@ -369,6 +369,29 @@ class BatchedForward:
         else:
             steps(*inputs)
 
+    @torch.no_grad()
+    def linear_armijo_round(
+        self, theta: torch.Tensor, split, batches: tuple, q: torch.Tensor | None,
+        batch_size: int, solver, eta: torch.Tensor, losses: torch.Tensor,
+        batches_per_epoch: np.ndarray,
+    ) -> None:  # fmt: skip
+        """A round of ``solver``'s line search (:class:`gossip_pfl.runtime.solver.
+        LocalArmijo`) on the binary linear model as one compiled call
+        (:func:`gossip_pfl.runtime.kernels.armijo_round`, :attr:`kernels` only), in place on
+        theta, the step sizes ``eta`` and the kept objectives ``losses`` (L,) float64; the
+        plan ``batches`` and ``q`` as in :meth:`linear_sgd_round`."""
+        if not self.kernels:
+            raise RuntimeError("the line search's round needs the compiled loops")
+        k = self._kernels
+        idx, weight = batches[:2]
+        reset = {"grow": k.RESET_GROW, "keep": k.RESET_KEEP, "max": k.RESET_MAX}[solver.reset]
+        qa = np.zeros((0, 0, 0), np.float32) if q is None else q.contiguous().numpy()
+        self._compiled("armijo_round", split, theta.numpy(), *self._plan_args(split, idx, weight),
+                       qa, eta.numpy(), losses.numpy(), batches_per_epoch, batch_size,
+                       float(solver.weight_decay), float(solver.prox_mu), float(solver.c),
+                       float(solver.beta), float(solver.eta_max), int(solver.max_trials),
+                       reset)  # fmt: skip
+
     def _personal_round(self, theta, split, idx, weight, neg_step, batch_size, affine,
                         personal: PersonalSteps) -> None:  # fmt: skip
         """:meth:`linear_sgd_round`'s compiled loop with pFedMe's or APFL's steps."""
