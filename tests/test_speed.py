@@ -156,14 +156,26 @@ KERNEL_CASES = {
     "fedli_lu decay": {"name": "fedli_lu", "components": 1, "weight_decay": 0.05},
     "fedem, fedli_lu rule": {"name": "fedem", "components": 2, "rule": {"name": "fedli_lu"}},
     # FedLi-LS's line search: eta_max large enough that trials fail, the step sizes grown,
-    # kept with decay, and under FedEM's q with another beta. (Not a reset to eta_max with few
-    # trials: there a batch the model separates has losses of ~1e-7, which the torch form
-    # rounds to multiples of ulp(z), and trials pass or fail on that rounding.)
-    "fedli_ls grow": {"name": "fedli_ls", "components": 1, "line_search": {"eta_max": 100.0}},
+    # kept, and under FedEM's q with another beta. (Each with weight decay or small steps: a
+    # batch the model separates has losses of ~1e-7, which the torch form rounds to
+    # multiples of ulp(z), and there trials pass or fail on that rounding.)
+    "fedli_ls grow": {"name": "fedli_ls", "components": 1, "weight_decay": 0.01,
+                      "line_search": {"eta_max": 20.0}},
     "fedli_ls keep, decay": {"name": "fedli_ls", "components": 1, "weight_decay": 0.05,
                              "line_search": {"eta_max": 100.0, "reset": "keep"}},
     "fedem, fedli_ls rule": {"name": "fedem", "components": 2, "rule": {"name": "fedli_ls"},
                              "line_search": {"eta_max": 20.0, "beta": 0.5}},
+    # the search's other branches: a reset to eta_max, a single (always taken) trial, the
+    # proximal term in the direction, and batches whose weights do not sum to B (the loss
+    # divided by B: the kept objective's and the gradient's factor is not 1)
+    "fedli_ls max, decay": {"name": "fedli_ls", "components": 1, "weight_decay": 0.1,
+                            "line_search": {"eta_max": 10.0, "reset": "max"}},
+    "fedli_ls one trial": {"name": "fedli_ls", "components": 1,
+                           "line_search": {"eta_max": 5.0, "max_trials": 1}},
+    "fedprox, fedli_ls rule": {"name": "fedprox", "components": 1, "mu": 0.5,
+                               "rule": {"name": "fedli_ls"}},
+    "fedli_ls, loss by B": {"name": "fedli_ls", "components": 1, "loss_divisor": "batch_size"},
+    "fedli_lu, loss by B": {"name": "fedli_lu", "components": 1, "loss_divisor": "batch_size"},
 }  # fmt: skip
 
 
@@ -202,8 +214,9 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
     kept = fast.track_loss or fast.line_search
     assert (fast.last_loss > 0).all() == kept  # (kept: every peer stepped)
     torch.testing.assert_close(fast.opt_state.eta, torch_ops.opt_state.eta)  # (step sizes)
-    if "line_search" in algorithm:  # some trials failed: a step below eta_max
-        assert (fast.opt_state.eta < algorithm["line_search"]["eta_max"]).any()
+    search = algorithm.get("line_search", {})
+    if search.get("max_trials", 2) > 1 and "eta_max" in search:  # some trials failed
+        assert (fast.opt_state.eta < search["eta_max"]).any()
     if algorithm.get("alpha_lr") == 5.0:  # the clamp case reaches 0, 1 and a value between
         alpha = fast.personal["alpha"]
         assert (alpha == 0).any() and (alpha == 1).any() and ((alpha > 0) & (alpha < 1)).any()
@@ -217,8 +230,11 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(torch, "get_num_threads", lambda n=threads: n)
             runs.append(rounds(trainer(tmp_path, "auto", algorithm)))
-    for tr in (runs[1], fast):  # the shared and the personal state, bit for bit
+    for tr in (runs[1], fast):  # the shared and the peers' own state, bit for bit
         np.testing.assert_array_equal(runs[0].shared_parameters(), tr.shared_parameters())
+        for got, want in ((tr.opt_state.eta, runs[0].opt_state.eta),
+                          (tr.last_loss, runs[0].last_loss)):  # fmt: skip
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
         for k, v in runs[0].personal.items():
             torch.testing.assert_close(tr.personal[k], v, rtol=0, atol=0)
 
