@@ -208,14 +208,11 @@ def sgd_round(
     g = np.zeros((M, P), dtype=np.float32)
     z = np.zeros(M, dtype=np.float32)
     w = np.zeros(M, dtype=np.float32)
-    in_batch = np.zeros(labels.shape[1], dtype=np.float32)
-    order = np.zeros(labels.shape[1], dtype=np.int64)  # a batch's samples, stored order
-    r = np.zeros((labels.shape[1], M), dtype=np.float32)
+    in_batch, order, wts, r = _batch_buffers(labels.shape[1], M)
     e_step = pi.shape[0] > 0
     zs = np.zeros((M, labels.shape[1] if e_step else 0), dtype=np.float32)
     affine_on, shift_on = affine.shape[0] > 0, shift.shape[0] > 0
     start = np.zeros((M, P), dtype=np.float32)  # the peer's theta as the round starts
-    wts = np.zeros(labels.shape[1], dtype=np.float32)
     tracking = losses.shape[0] > 0
     for p in range(lo, hi):
         last = -1  # the peer's last step, whose objective it keeps
@@ -264,6 +261,14 @@ def sgd_round(
                 losses[p] = total / max(summed, 1.0)
             _accumulate(g, x, offsets[p], order, r, k)
             _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on)
+
+
+@njit(inline="always")
+def _batch_buffers(n, M):
+    """:func:`_batch`'s buffers for peers of up to ``n`` samples: ``in_batch``, ``order``,
+    ``wts``, and a step's residuals ``r`` (n, M)."""
+    return (np.zeros(n, dtype=np.float32), np.zeros(n, dtype=np.int64),
+            np.zeros(n, dtype=np.float32), np.zeros((n, M), dtype=np.float32))  # fmt: skip
 
 
 @njit(inline="always")
@@ -374,10 +379,7 @@ def armijo_round(
     cand = np.zeros((M, P), dtype=np.float32)
     start = np.zeros((M, P), dtype=np.float32)
     z = np.zeros(M, dtype=np.float32)
-    in_batch = np.zeros(labels.shape[1], dtype=np.float32)
-    order = np.zeros(labels.shape[1], dtype=np.int64)
-    wts = np.zeros(labels.shape[1], dtype=np.float32)
-    r = np.zeros((labels.shape[1], M), dtype=np.float32)
+    in_batch, order, wts, r = _batch_buffers(labels.shape[1], M)
     inv_b = np.float32(1.0) / np.float32(batch_size)
     decay32, prox32 = np.float32(decay), np.float32(prox)  # (the direction's, in float32)
     for p in range(lo, hi):
@@ -462,10 +464,7 @@ def personal_round(
     g = np.zeros((M, P), dtype=np.float32)
     z = np.zeros(M, dtype=np.float32)
     mixed = np.zeros((M, P), dtype=np.float32)
-    in_batch = np.zeros(labels.shape[1], dtype=np.float32)
-    order = np.zeros(labels.shape[1], dtype=np.int64)
-    wts = np.zeros(labels.shape[1], dtype=np.float32)
-    r = np.zeros((labels.shape[1], M), dtype=np.float32)
+    in_batch, order, wts, r = _batch_buffers(labels.shape[1], M)
     affine_on, shift_on = affine.shape[0] > 0, shift.shape[0] > 0
     start = np.zeros((M, P), dtype=np.float32)
     one = np.float32(1.0)
