@@ -299,6 +299,7 @@ class Trainer(RoundLoop):
         # the line search's grow reset: 2^(1 / batches per epoch)
         per_epoch = -(-self.counts // a.batch_size)
         self.batches_per_epoch = torch.as_tensor(per_epoch, device=self.device)
+        self._batches_host = per_epoch  # (the compiled line search's)
         self.outbox = None
         self._finite_pending = None  # a queued _check_finite
         self._finite_host = None
@@ -757,12 +758,6 @@ class Trainer(RoundLoop):
         no client correction."""
         return (self.line_search and self.forward.kernels and self.client is None
                 and self._fused_linear())  # fmt: skip
-
-    @property
-    def _batches_host(self) -> np.ndarray:
-        if "_batches_np" not in self.__dict__:
-            self._batches_np = self.batches_per_epoch.cpu().numpy().astype(np.int64)
-        return self._batches_np
 
     def _personal_linear(self) -> bool:
         """A personal-model surrogate (pFedMe, APFL: ``compiled_steps``) on the binary linear

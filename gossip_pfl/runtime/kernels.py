@@ -59,6 +59,13 @@ def _dots(th, row, n, z):
 _TINY = np.float32(1e-30)
 
 
+@njit(inline="always")
+def _log_loss(z, y):
+    """The log-loss of logit ``z`` and label ``y``: max(z, 0) - z y + log(1 + e^-|z|) (torch's
+    binary_cross_entropy_with_logits in exact form), in float64."""
+    return max(z, 0.0) - z * y + math.log1p(math.exp(-abs(z)))
+
+
 @njit(inline="always", fastmath=_FAST)
 def _e_step(th, x, base, n_p, labels, pi, eps, q, new_pi, z, w, zs):
     """One peer's E-step (FedEM): q_mn = pi_m p_m(y_n | x_n) / sum_k pi_k p_k(y_n | x_n), the
@@ -254,9 +261,7 @@ def sgd_round(
                 if keep:
                     summed += wn
                     for m in range(M):
-                        zm = z[m]
-                        bce = max(zm, 0.0) - zm * yn + math.log1p(math.exp(-abs(zm)))
-                        total += wn * (q[p, m, n] if weighted else 1.0) * bce
+                        total += wn * (q[p, m, n] if weighted else 1.0) * _log_loss(z[m], yn)
             if keep:
                 losses[p] = total / max(summed, 1.0)
             _accumulate(g, x, offsets[p], order, r, k)
@@ -314,26 +319,12 @@ def _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on):
 
 
 @njit(inline="always", fastmath=_FAST)
-def _bce_grad(th, x, base, labels, order, wts, k, scale, r, z, g):
-    """g += scale sum_j wts[j] (sigmoid(th . x_n) - y_n) x_n over the batch's samples
-    n = order[j] (j < k), as the round's steps take them (:func:`_accumulate`)."""
-    P = th.shape[1]
-    M = th.shape[0]
-    for j in range(k):
-        n = order[j]
-        _dots(th, x[base + n], P, z)
-        c = wts[j] * scale
-        yn = np.float32(labels[n])
-        for m in range(M):
-            r[j, m] = c / (np.float32(1.0) + np.exp(-z[m])) - yn * c
-    _accumulate(g, x, base, order, r, k)
-
-
-@njit(inline="always", fastmath=_FAST)
-def _weighted_pass(th, x, base, labels, order, wts, k, q, p, weighted, scale, r, z, g, grad):
-    """sum_j wts[j] sum_m q_mn log-loss(z_mn) over the batch (n = order[j], j < k; q 1 unless
-    ``weighted``), in float64; with ``grad`` also g += scale sum_j wts[j] q_mn (sigmoid(z_mn)
-    - y_n) x_n (:func:`_accumulate`)."""
+def _weighted_pass(th, x, base, labels, order, wts, k, q, p, weighted, scale, r, z, g, grad,
+                   loss=True):  # fmt: skip
+    """One pass over a step's batch (n = order[j], j < k) at parameters ``th`` (M, P), as the
+    round's steps take it (:func:`_accumulate`): with ``loss`` the return value sum_j wts[j]
+    sum_m q_mn log-loss(z_mn) in float64 (q 1 unless ``weighted``; else 0), with ``grad``
+    g += scale sum_j wts[j] q_mn (sigmoid(z_mn) - y_n) x_n."""
     M, P = th.shape
     total = 0.0
     for j in range(k):
@@ -343,7 +334,8 @@ def _weighted_pass(th, x, base, labels, order, wts, k, q, p, weighted, scale, r,
         for m in range(M):
             zm = z[m]
             qm = q[p, m, n] if weighted else np.float32(1.0)
-            total += wts[j] * qm * (max(zm, 0.0) - zm * yn + math.log1p(math.exp(-abs(zm))))
+            if loss:
+                total += wts[j] * qm * _log_loss(zm, yn)
             if grad:
                 c = wts[j] * qm * scale
                 r[j, m] = c / (np.float32(1.0) + np.exp(-zm)) - yn * c
@@ -464,6 +456,7 @@ def personal_round(
     g = np.zeros((M, P), dtype=np.float32)
     z = np.zeros(M, dtype=np.float32)
     mixed = np.zeros((M, P), dtype=np.float32)
+    q = np.zeros((0, 0, 0), dtype=np.float32)  # (unweighted: q is not read)
     in_batch, order, wts, r = _batch_buffers(labels.shape[1], M)
     affine_on, shift_on = affine.shape[0] > 0, shift.shape[0] > 0
     start = np.zeros((M, P), dtype=np.float32)
@@ -480,7 +473,8 @@ def personal_round(
                 continue
             if kind == PFEDME:
                 for _ in range(inner_steps):
-                    _bce_grad(v, x, base, labels[p], order, wts, k, inv_b, r, z, g)
+                    _weighted_pass(v, x, base, labels[p], order, wts, k, q, p, False, inv_b,
+                                   r, z, g, True, False)  # fmt: skip
                     for m in range(M):
                         for i in range(P):
                             u = v[m, i]
@@ -494,7 +488,8 @@ def personal_round(
                 for m in range(M):
                     for i in range(P):
                         mixed[m, i] = a * v[m, i] + (one - a) * th[m, i]
-                _bce_grad(mixed, x, base, labels[p], order, wts, k, inv_b, r, z, g)
+                _weighted_pass(mixed, x, base, labels[p], order, wts, k, q, p, False, inv_b, r,
+                               z, g, True, False)  # fmt: skip
                 g_alpha = np.float32(0.0)
                 for m in range(M):
                     for i in range(P):
@@ -502,7 +497,8 @@ def personal_round(
                         v[m, i] -= personal_lr * a * g[m, i]
                         g[m, i] = 0
                 alpha[p] = min(max(a - alpha_lr * g_alpha, np.float32(0.0)), one)
-                _bce_grad(th, x, base, labels[p], order, wts, k, step[p] * inv_b, r, z, g)
+                _weighted_pass(th, x, base, labels[p], order, wts, k, q, p, False,
+                               step[p] * inv_b, r, z, g, True, False)  # fmt: skip
             _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on)
 
 
@@ -520,9 +516,7 @@ def bce_losses(lo, hi, theta, x, offsets, counts, y, out):
             for m in range(M):
                 zm = z[m]
                 # max(z, 0) - z y + log(1 + e^-|z|): torch's binary_cross_entropy_with_logits
-                out[p, m, n] = (
-                    max(zm, np.float32(0.0)) - zm * y[p, n] + math.log1p(math.exp(-abs(zm)))
-                )
+                out[p, m, n] = _log_loss(zm, y[p, n])
 
 
 @njit(**_OPTS)

@@ -338,9 +338,8 @@ class BatchedForward:
             if isinstance(q, PendingEStep):
                 pi, eps = q.old_pi.float().contiguous().numpy(), np.float32(q.smoothing)
                 new_pi, q = q.pi.numpy(), q.q
-            qa = np.zeros((0, 0, 0), np.float32) if q is None else q.contiguous().numpy()
             self._compiled("sgd_round", split, theta.numpy(), *self._plan_args(split, idx, weight),
-                           neg_step * np.float32(1.0 / batch_size), qa, pi, eps, new_pi,
+                           neg_step * np.float32(1.0 / batch_size), _q_arg(q), pi, eps, new_pi,
                            *_affine_args(affine),
                            np.zeros(0) if losses is None else losses)  # fmt: skip
             return
@@ -385,9 +384,8 @@ class BatchedForward:
         k = self._kernels
         idx, weight = batches[:2]
         reset = {"grow": k.RESET_GROW, "keep": k.RESET_KEEP, "max": k.RESET_MAX}[solver.reset]
-        qa = np.zeros((0, 0, 0), np.float32) if q is None else q.contiguous().numpy()
         self._compiled("armijo_round", split, theta.numpy(), *self._plan_args(split, idx, weight),
-                       qa, eta.numpy(), losses.numpy(), batches_per_epoch, batch_size,
+                       _q_arg(q), eta.numpy(), losses.numpy(), batches_per_epoch, batch_size,
                        float(solver.weight_decay), float(solver.prox_mu), float(solver.c),
                        float(solver.beta), float(solver.eta_max), int(solver.max_trials),
                        reset)  # fmt: skip
@@ -537,6 +535,11 @@ class BatchedForward:
             how = "the model's batched layers" if self.native else "vmap"
             return f"batched over peers and components ({how})"
         return f"per-peer loop ({self.reason or 'requested'})"
+
+
+def _q_arg(q: torch.Tensor | None) -> np.ndarray:
+    """The compiled round's responsibilities (L, M, N) (empty: weight 1)."""
+    return np.zeros((0, 0, 0), np.float32) if q is None else q.contiguous().numpy()
 
 
 def _affine_args(affine: tuple[np.ndarray, np.ndarray | None] | None) -> tuple:
