@@ -34,12 +34,22 @@ WRITES = {"sgd_round": (0, 8, 11), "mixture_scores": (5, 6)}
 
 
 def base_kernels(rev: str):
-    """kernels.py of ``rev``'s checkout (bench_wall's), imported as a module of its own."""
+    """kernels.py of ``rev``'s checkout (bench_wall's), imported as a module of its own. Its
+    loops cache in a folder of their own: a cache beside the checkout's file names this
+    module, and a run of the checkout (bench_wall's base) then failed to load its loops and
+    ran the torch operations instead, without a word."""
+    import numba
+
     path = worktree(rev) / "gossip_pfl" / "runtime" / "kernels.py"
     spec = importlib.util.spec_from_file_location(f"kernels_{rev}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # numba's cache finds a loop's module by name
-    spec.loader.exec_module(module)
+    kept = numba.config.CACHE_DIR  # (read as the loops are decorated)
+    numba.config.CACHE_DIR = str(ROOT / "runs" / "bench_kernels" / "numba-cache")
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        numba.config.CACHE_DIR = kept
     return module
 
 
