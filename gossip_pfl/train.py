@@ -61,7 +61,7 @@ from gossip_pfl.runtime.participation import (
     star_phases,
 )
 from gossip_pfl.runtime.placement import Placement
-from gossip_pfl.runtime.solver import LocalArmijo, LocalSGD
+from gossip_pfl.runtime.solver import LocalArmijo, LocalSGD, Search
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout, PendingEStep, init_components
 from gossip_pfl.runtime.threads import configure_host, even_pieces, map_pieces
 from topologies import MixingSchedule, TopologyError
@@ -613,9 +613,14 @@ class Trainer(RoundLoop):
         the stack's order), and return the factor that made it: FedLi's objective is the
         mean over the batch's real samples, the loss divides by B (with loss_divisor batch
         the plan's weights make it that mean already, and the factor is 1). (A,)"""
-        mean = (self.cfg.algorithm.batch_size / b_w.sum(-1).clamp_min(1)).to(loss.dtype)
+        mean = self._batch_mean(b_w, loss.dtype)
         self.last_loss[sel] = (loss * mean).double()
         return mean
+
+    def _batch_mean(self, b_w: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The factor that makes a step's loss (over the batch size) the mean over each
+        batch's real samples (``b_w``: the padding mask, or the plan's weights). (A,)"""
+        return (self.cfg.algorithm.batch_size / b_w.sum(-1).clamp_min(1)).to(dtype)
 
     def _step_graph(self, theta, opt_state, scale, factor: float, neg_step, order, personal):
         """This round's steps as CUDA graphs (``runtime.cuda_graph_steps``): a function
@@ -631,7 +636,7 @@ class Trainer(RoundLoop):
         copied into tensors held across rounds (``_hold``), which the graphs read: a value
         taken from the host at capture would stay the first round's (the lr schedule's
         factor), and a tensor made anew each round would be elsewhere."""
-        if (self.step_graphs is None or self.line_search or type(self.solver) is not LocalSGD
+        if (self.step_graphs is None or type(self.solver) not in (LocalSGD, LocalArmijo)
                 or not (self.forward.by_parameter or self.forward.closed_form)):  # fmt: skip
             return None, None
         solver, train = self.solver, self.train
@@ -639,7 +644,7 @@ class Trainer(RoundLoop):
         reads = [theta, opt_state.momentum, train.x, train.y]
         if getattr(self.surrogate, "step_reads_personal", True):
             reads += list(personal.values())
-        if self.track_loss:  # (FedLi-LU: each step keeps its loss)
+        if self.track_loss or self.line_search:  # (FedLi: each step keeps its loss)
             reads.append(self.last_loss)
         anchor = self._hold("anchor", theta) if solver.prox_mu else None
         if neg_step is not None:
@@ -659,6 +664,9 @@ class Trainer(RoundLoop):
             correction = self._hold("correction", self.client.correction(self.client_state, rows))
             reads.append(correction)
         places = tuple(reads)
+        if self.line_search:
+            corr = correction
+            return self._search_graphs(theta, opt_state, personal, anchor, corr, order, places)
 
         def step(st, sw) -> None:
             def run(flat, sw, *b_w, sel=st.sel, shape=st.shape) -> None:
@@ -677,6 +685,67 @@ class Trainer(RoundLoop):
             key = (st.shape, st.sel == slice(None), solver, neg_step is None)
             kept = (st.weight,) if self.track_loss else ()  # (the batch's real samples)
             self.step_graphs(key, run, st.flat, sw, *kept, places=places)
+
+        return step, anchor
+
+    def _search_graphs(self, theta, opt_state, personal, anchor, correction, order, places):
+        """:meth:`_step_graph` for FedLi-LS's line search (:class:`LocalArmijo`): a step is a
+        graph of its start (the gradient, the search's values and the first trial), then,
+        while a peer of the step is still searching (one value read back, as the eager form's
+        nonzero), a graph of one more trial over all its peers (those done left as they are:
+        no row count read back), then a graph of its end. The search's values lie in tensors
+        held across rounds in the stack's order, each step's peers a slice: one graph reads
+        what another wrote there, never its temporaries (the graphs share a memory pool)."""
+        solver, train, L = self.solver, self.train, len(self.peers)
+        per_epoch = self.batches_per_epoch
+        batches = self._hold("batches", per_epoch if order is None else per_epoch[order])
+        search = self._held.get("search")
+        if search is None or search.g.shape != theta.shape or search.g.dtype != theta.dtype:
+            f64 = torch.zeros(L, dtype=torch.float64, device=self.device)
+            search = self._held["search"] = Search(
+                torch.zeros_like(theta), f64, f64.clone(), f64.clone(), f64.clone(),
+                torch.zeros(L, dtype=torch.bool, device=self.device),
+            )  # fmt: skip
+        places += (opt_state.eta, batches, *vars(search).values())
+        last = solver.max_trials - 1
+
+        def step(st, sw) -> None:
+            sel, shape = st.sel, st.shape
+            s = Search(*(v[sel] for v in vars(search).values()))
+
+            def trial(x, y, sw, mean, last: bool) -> None:
+                def loss_at(cand, _sub):  # (every peer of the step)
+                    return self.surrogate.shared_loss(self, cand, x, y, sw) * mean
+
+                solver.trial(theta[sel], s, loss_at, last)
+
+            def start(flat, sw, b_w) -> None:
+                x, y = train.take_flat(flat, shape)
+                grad, loss = self.surrogate.shared_grad(self, theta[sel], personal, sel, x, y,
+                                                        sw)  # fmt: skip
+                mean = self._keep_loss(loss, b_w, sel)
+                corr = None if correction is None else correction[sel]
+                begun = solver.begin(theta[sel], grad * mean[:, None, None], opt_state, sel,
+                                     anchor, corr, loss * mean, batches[sel])  # fmt: skip
+                for held, value in zip(vars(s).values(), vars(begun).values()):
+                    held.copy_(value)
+                trial(x, y, sw, mean, last == 0)
+
+            def more(flat, sw, b_w, last: bool) -> None:
+                x, y = train.take_flat(flat, shape)
+                trial(x, y, sw, self._batch_mean(b_w, theta.dtype), last)
+
+            def end() -> None:
+                solver.end(theta, opt_state, sel, theta[sel], s)
+
+            key = (shape, sel == slice(None), solver)
+            self.step_graphs((key, "start"), start, st.flat, sw, st.weight, places=places)
+            for k in range(1, solver.max_trials):
+                if not bool(s.pending.any()):  # (a wait for a GPU)
+                    break
+                self.step_graphs((key, "trial", k == last), partial(more, last=k == last),
+                                 st.flat, sw, st.weight, places=places)  # fmt: skip
+            self.step_graphs((key, "end"), end, places=places)
 
         return step, anchor
 

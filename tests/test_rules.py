@@ -230,6 +230,43 @@ def test_armijo_max_trials_bounds_loss_evaluations():
     assert trials < len(problem.calls) < 100
 
 
+@pytest.mark.parametrize("max_trials", [100, 4])
+def test_armijo_masked_trials_equal_the_trials_of_the_peers_still_searching(max_trials):
+    """The step graphs' form of a search (every peer in every trial, those done left as they
+    are; runtime.cuda_graph_steps) takes each trial to the same values as the eager form,
+    which tries only the peers still searching: a peer with no gradient, peers that stop at
+    different trials and, with 4 trials, peers that take the last one."""
+    solver = LocalArmijo(0.1, c=0.1, beta=0.5, eta_max=64.0, max_trials=max_trials,
+                         weight_decay=0.01, reset="grow")  # fmt: skip
+    problem = LeastSquares(L=6)
+    theta = torch.randn(6, 1, 4, generator=torch.Generator().manual_seed(4))
+    theta[2] = 0.0  # (and no gradient: no direction, with the weight decay)
+    state = solver.init(theta)
+    state.eta.copy_(torch.tensor([64.0, 1.0, 0.5, 8.0, 0.01, 2.0]))
+    grad = problem.grad(theta)
+    grad[2] = 0.0
+    rows = torch.tensor([0, 1, 2, 3, 4, 5])
+    args = (state, rows, None, None, problem.f(theta), torch.full((6,), 3))
+    p = theta[rows]
+    eager, masked = solver.begin(p, grad, *args), solver.begin(p, grad, *args)
+    assert not masked.pending[2]  # (no gradient: not searching)
+    stops = []
+    for trial in range(max_trials):
+        sub = eager.pending.nonzero()[:, 0]
+        if len(sub) == 0:
+            break
+        last = trial == max_trials - 1
+        solver.trial(p, eager, problem.loss_at, last, sub)
+        solver.trial(p, masked, lambda cand, _: problem.f(cand), last)
+        for k in vars(eager):
+            assert torch.equal(getattr(eager, k), getattr(masked, k)), (trial, k)
+        stops.append(int(eager.pending.sum()))
+    assert not masked.pending.any()
+    assert len(set(stops)) > 2  # peers stopped at different trials
+    if max_trials == 4:
+        assert stops[-2] > 0  # someone took the last trial without passing
+
+
 # ---- 4. The adaptive server optimizers ---------------------------------------------------------
 
 

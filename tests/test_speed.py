@@ -1073,6 +1073,15 @@ GRAPH_CASES = {
     "pfedme, lr schedule": {"name": "pfedme", "components": 1, "lr_decay": [0.5]},
     # each step's loss kept for the rule, in the stack's order
     "fedli_lu, momentum": {"name": "fedli_lu", "components": 1, "momentum": 0.5},
+    # the line search: a step's search in held tensors, trials while a peer searches
+    "fedli_ls grow, decay": {"name": "fedli_ls", "components": 1, "weight_decay": 0.01,
+                             "line_search": {"eta_max": 20.0}},
+    "fedli_ls max, 3 trials": {"name": "fedli_ls", "components": 1,
+                               "line_search": {"eta_max": 50.0, "reset": "max", "max_trials": 3}},
+    "fedprox, fedli_ls rule, lr schedule": {"name": "fedprox", "components": 1, "mu": 0.5,
+                                            "rule": {"name": "fedli_ls"}, "lr_decay": [0.5]},
+    "scaffold, fedli_ls rule": {"name": "scaffold", "components": 1,
+                                "rule": {"name": "fedli_ls"}, "line_search": {"eta_max": 10.0}},
 }  # fmt: skip
 
 
@@ -1291,7 +1300,8 @@ def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp
 CLOSED_FORM_GRAPH_CASES = ["fedem, momentum, decay, lr schedule", "fedprox, lr schedule",
                            "dfedem, momentum (step sizes by peer), lr schedule",
                            "scaffold, momentum, lr schedule", "apfl, momentum",
-                           "pfedme, lr schedule", "fedli_lu, momentum"]  # fmt: skip
+                           "pfedme, lr schedule", "fedli_lu, momentum",
+                           "fedli_ls grow, decay", "fedli_ls max, 3 trials"]  # fmt: skip
 
 
 @pytest.mark.parametrize("forms", [(), ("cpu",)])
@@ -1532,15 +1542,12 @@ def test_a_failed_capture_leaves_the_steps_eager_and_says_so(tmp_path):
     assert torch.equal(eager.opt_state.momentum, tr.opt_state.momentum)
 
 
-@pytest.mark.parametrize("case, batching", [
-    ("fedli_ls (line search)", "vmap"), ("dfedem, momentum and decay", "loop")])  # fmt: skip
-def test_steps_that_read_more_than_tensors_are_not_graphed(case, batching, tmp_path):
-    """A line search reads values a graph could not hold, and a model without its own
-    batched layers (here run by the per-peer loop) is left alone: their steps stay eager
-    under runtime.cuda_graph_steps."""
+def test_steps_that_read_more_than_tensors_are_not_graphed(tmp_path):
+    """A model without its own batched layers (here run by the per-peer loop, which swaps a
+    module's parameters) is left alone: its steps stay eager under runtime.cuda_graph_steps."""
     from gossip_pfl.runtime.graphs import GraphReplay
 
-    tr = trainer(tmp_path, batching, REORDER_CASES[case])
+    tr = trainer(tmp_path, "loop", REORDER_CASES["dfedem, momentum and decay"])
     tr.step_graphs = GraphReplay(simulate=True)
     rounds(tr, 2)
     assert not tr.step_graphs.graphs

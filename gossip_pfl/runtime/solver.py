@@ -195,6 +195,19 @@ def _device_scalar(
     return torch.full((), value, dtype=dtype, device=like.device)
 
 
+@dataclass
+class Search:
+    """One line-search step's values for its peers (A,), which :meth:`LocalArmijo.trial`
+    updates in place."""
+
+    g: torch.Tensor  # (A, M, P) the direction
+    f0: torch.Tensor  # the objective at the step's start (float64, as the rest)
+    g2: torch.Tensor  # ||g||^2
+    eta: torch.Tensor  # the step size the next trial tries
+    step: torch.Tensor  # the step size taken (the last one tried)
+    pending: torch.Tensor  # bool: still searching
+
+
 @dataclass(frozen=True)
 class LocalArmijo(LocalSGD):
     """SGD with a stochastic Armijo line search on each minibatch (FedLi-LS's client,
@@ -236,9 +249,25 @@ class LocalArmijo(LocalSGD):
     ) -> None:
         """``loss`` (A,) the minibatch loss at theta[rows]; ``loss_at(candidate, sub)`` the
         same minibatch's loss of candidate parameters for the step's peers ``sub``; ``batches``
-        (A,) each peer's batches per epoch (for the grow reset)."""
+        (A,) each peer's batches per epoch (for the grow reset). Each trial runs on the peers
+        still searching (:meth:`trial` at ``sub``)."""
         p = theta[rows]
-        g = self.direction(theta, grad, rows, anchor, correction)
+        s = self.begin(p, grad, state, rows, anchor, correction, loss, batches)
+        for trial in range(self.max_trials):
+            # (a nonzero is a wait for a GPU: the step graphs take the masked trials)
+            sub = s.pending.nonzero()[:, 0]
+            if len(sub) == 0:
+                break
+            self.trial(p, s, loss_at, trial == self.max_trials - 1, sub)
+        self.end(theta, state, rows, p, s)
+
+    def begin(
+        self, p, grad, state: SGDState, rows, anchor, correction, loss, batches
+    ) -> Search:  # fmt: skip
+        """A step's search from its peers' parameters ``p`` (theta[rows]), direction and
+        objective; the first step size to try (the reset from each peer's last). Peers with
+        ||g|| < 1e-8 are not searching."""
+        g = self._direction(p, grad, lambda t: t[rows], anchor, correction)
         f0 = loss.double() + self._decay(p)
         g2 = g.double().flatten(1).pow(2).sum(1)
         eta = state.eta[rows].clone()
@@ -248,23 +277,37 @@ class LocalArmijo(LocalSGD):
             eta = torch.full_like(eta, self.eta_max)
         pending = g2 >= 1e-16  # ||g|| >= 1e-8; the others take no step
         step = torch.where(pending, eta, torch.zeros_like(eta))
-        for trial in range(self.max_trials):
-            sub = pending.nonzero()[:, 0]
-            if len(sub) == 0:
-                break
-            tried = eta[sub]
-            cand = p[sub] - tried.to(p.dtype)[:, None, None] * g[sub]
-            f1 = loss_at(cand, sub).double() + self._decay(cand)
-            ok = f1 <= f0[sub] - self.c * tried * g2[sub]
-            step[sub] = tried
-            last = trial == self.max_trials - 1
-            done = ok | last
-            # by index and where, not boolean masks: a mask's rows are a wait for a GPU (the
-            # nonzero above, which shrinks the trials to the peers still searching, is one)
-            pending[sub] = ~done
-            eta[sub] = torch.where(done, tried, tried * self.beta)
-        theta[rows] = p - step.to(p.dtype)[:, None, None] * g
-        state.eta[rows] = torch.where(g2 >= 1e-16, step, state.eta[rows])
+        return Search(g, f0, g2, eta, step, pending)
+
+    def trial(
+        self, p: torch.Tensor, s: Search, loss_at: Callable, last: bool,
+        sub: torch.Tensor | None = None,
+    ) -> None:  # fmt: skip
+        """One trial of the search ``s`` from the step's parameters ``p``, in place: at
+        ``sub``, the peers still searching (by index and ``where``: a boolean mask's rows
+        would be a wait for a GPU), or at every peer, those done left as they are (None: no
+        row count read back, a CUDA graph's form; the same values). ``last``: every peer
+        takes the step size it tried."""
+        take = (lambda t: t) if sub is None else (lambda t: t[sub])
+        tried = take(s.eta)
+        cand = take(p) - tried.to(p.dtype)[:, None, None] * take(s.g)
+        f1 = loss_at(cand, sub).double() + self._decay(cand)
+        ok = f1 <= take(s.f0) - self.c * tried * take(s.g2)
+        done = ok | last
+        then = torch.where(done, tried, tried * self.beta)
+        if sub is None:  # (the step sizes before the next trial's: tried is a view of eta)
+            s.step.copy_(torch.where(s.pending, tried, s.step))
+            s.eta.copy_(torch.where(s.pending, then, s.eta))
+            s.pending.logical_and_(~done)
+        else:
+            s.step[sub] = tried
+            s.pending[sub] = ~done
+            s.eta[sub] = then
+
+    def end(self, theta: torch.Tensor, state: SGDState, rows, p: torch.Tensor, s: Search) -> None:
+        """The step each peer's search took from ``p``, its step size recorded."""
+        theta[rows] = p - s.step.to(p.dtype)[:, None, None] * s.g
+        state.eta[rows] = torch.where(s.g2 >= 1e-16, s.step, state.eta[rows])
 
     def _decay(self, p: torch.Tensor) -> torch.Tensor:
         if not self.weight_decay:
