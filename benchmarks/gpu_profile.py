@@ -121,10 +121,13 @@ def graph_of_steps(tr: Trainer, rounds) -> None:
     forward, seen = tr.forward, {}
     eager = forward._linear_sgd_steps
     forward._linear_sgd_steps = lambda *a: (seen.setdefault("args", a), eager(*a))[1]
+    # the probe round eager: with runtime.cuda_graphs its graph, captured before, replays
+    # without calling the steps
+    graphs, forward.graphs = forward.graphs, None
     try:
         rounds(1)
     finally:
-        forward._linear_sgd_steps = eager
+        forward._linear_sgd_steps, forward.graphs = eager, graphs
     if "args" not in seen:
         print("graph: this config does not take the fused linear steps")
         return

@@ -14,6 +14,7 @@ from _helpers import run_ranks
 from gossip_pfl import checkpoint
 from gossip_pfl.cli import main
 from gossip_pfl.config import load_config
+from gossip_pfl.errors import GossipError
 from gossip_pfl.expfam.data import gmm2d
 from gossip_pfl.expfam.run import ExpFamRun, build_model
 from gossip_pfl.runtime.comm import init_comm
@@ -157,6 +158,24 @@ def _config_file(tmp_path):
     path = tmp_path / "em.yaml"
     path.write_text("algorithm: {name: fedem_em}\nexpfam: {clients: 5, samples: 20}\n")
     return str(path)
+
+
+def test_em_stays_on_the_cpu_where_a_gpu_is_visible(monkeypatch, tmp_path):
+    """runtime.device auto picks the CPU for EM even where a GPU is visible (its statistics,
+    tensors made on the CPU, met the data on the GPU there): the run never asks for CUDA."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda *a: pytest.fail("asked for CUDA"))
+    cfg = _cfg(tmp_path, rounds=2)
+    cfg.runtime.device = "auto"
+    run, summary = _run(cfg)
+    assert run.device.type == "cpu" and run.x.device.type == "cpu"
+    assert np.isfinite(summary["h_sq"])
+    # asked for the GPU: refused, naming the key
+    for key, value in (("device", "cuda"), ("backend", "nccl")):
+        cfg = _cfg(tmp_path / key, rounds=2)
+        setattr(cfg.runtime, key, value)
+        with pytest.raises(GossipError, match=f"runtime.{key}' '{value}': EM runs on the CPU"):
+            ExpFamRun(cfg, dataset=_data(), log=lambda *a: None)
 
 
 def test_cli_run_prints_em_results(tmp_path, capsys):

@@ -47,7 +47,7 @@ from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop
 from gossip_pfl.metrics import score_entries
 from gossip_pfl.models import EMBEDDINGS, build_model
-from gossip_pfl.runtime.comm import gather_rows, init_comm
+from gossip_pfl.runtime.comm import gather_rows, init_comm, set_cuda_numerics
 from gossip_pfl.runtime.data import PaddedSplit, RankData, client_ids, round_batches
 from gossip_pfl.runtime.participation import participant_count, sample_participants
 from gossip_pfl.runtime.placement import Placement
@@ -239,6 +239,8 @@ class PeFLLRun(RoundLoop):
         self.threads = configure_host(rt.threads)  # before any torch work, as the Trainer
         self.comm = comm or init_comm(rt.device, rt.backend, rt.timeout_s)
         self.device = self.comm.device
+        if self.device.type == "cuda":  # (runtime.tf32 and runtime.deterministic, as a model's)
+            set_cuda_numerics(rt.tf32, rt.deterministic)
         if dataset is None:
             from gossip_pfl.data import load_dataset
 
