@@ -206,8 +206,8 @@ class RuntimeConfig:
     #: when a shape first comes and replayed after, the round's step sizes read from tensors
     #: (the same kernels and numbers; FedEM, FedAvg, FedProx, SCAFFOLD, pFedMe, APFL, FedLi-LU
     #: and their gossip forms with SGD, momentum and weight decay; FedLi-LS's line search as a
-    #: step's start, a graph a trial while a peer searches, and its end). Off until timed on a
-    #: GPU (docs/speed-notes.md)
+    #: step's start, a graph a trial while a peer searches, and its end, each trial on every
+    #: peer of the step). Off until timed on a GPU (docs/speed-notes.md)
     cuda_graph_steps: bool = False
     timeout_s: float = 300.0  #: a rank waits this long for a dead peer before failing
     metrics_every: int = 1  #: ignored, kept so older run configs load (metrics follow eval.every)

@@ -34,6 +34,12 @@ class RoundLoop:
     summary_keys: tuple[str, ...] = ("rounds", "wall_seconds")
 
     @staticmethod
+    def comm_device(rt) -> str:
+        """The ``runtime.device`` this workload's transport is made for (``RuntimeConfig``
+        ``rt``): the config's own."""
+        return rt.device
+
+    @staticmethod
     def write_plots(run_dir: Path) -> list[Path]:
         """Figures of a finished run in ``run_dir/plots`` (the CLI calls it on rank 0)."""
         return []

@@ -628,14 +628,13 @@ class Trainer(RoundLoop):
         gather, the gradient, the solver's update) as the graph of its shape, captured at its
         first call; and FedProx's anchor. None for models without their own batched layers or
         the linear model's closed form (both read only their arguments; the others swap a
-        module's parameters: the LSTM, MobileNet), and where a step reads more than tensors
-        whose places stay put: a line search, another solver. (pFedMe's and APFL's personal
-        rows and FedLi-LU's kept losses are read and written in place, in the stack's
-        order.) The round's step sizes,
-        anchor and clients' corrections (SCAFFOLD's c - c_i, in the stack's ``order``) are
-        copied into tensors held across rounds (``_hold``), which the graphs read: a value
-        taken from the host at capture would stay the first round's (the lr schedule's
-        factor), and a tensor made anew each round would be elsewhere."""
+        module's parameters: the LSTM, MobileNet), and for a solver other than SGD and the
+        line search (FedLi-LS's, :meth:`_search_graphs`). pFedMe's and APFL's personal rows
+        and FedLi's kept losses are read and written in place, in the stack's order. The
+        round's step sizes, anchor and clients' corrections (SCAFFOLD's c - c_i, in the
+        stack's ``order``) are copied into tensors held across rounds (``_hold``), which the
+        graphs read: a value taken from the host at capture would stay the first round's (the
+        lr schedule's factor), and a tensor made anew each round would be elsewhere."""
         if (self.step_graphs is None or type(self.solver) not in (LocalSGD, LocalArmijo)
                 or not (self.forward.by_parameter or self.forward.closed_form)):  # fmt: skip
             return None, None
@@ -1399,7 +1398,7 @@ def run(cfg: RunConfig, dataset=None, comm=None, log=print, resume: bool = False
     process group down, also when building the workload fails."""
     rt = cfg.runtime
     cls = workload_class(get_algorithm(cfg.algorithm.name).workload)
-    comm = comm or comm_from_config(rt)
+    comm = comm or comm_from_config(rt, cls.comm_device(rt))
     try:  # a config error found while building the workload must not leave the group alive
         return cls(cfg, dataset, comm, log).run(resume=resume)
     finally:

@@ -14,7 +14,6 @@ from _helpers import run_ranks
 from gossip_pfl import checkpoint
 from gossip_pfl.cli import main
 from gossip_pfl.config import load_config
-from gossip_pfl.errors import GossipError
 from gossip_pfl.expfam.data import gmm2d
 from gossip_pfl.expfam.run import ExpFamRun, build_model
 from gossip_pfl.runtime.comm import init_comm
@@ -160,22 +159,28 @@ def _config_file(tmp_path):
     return str(path)
 
 
-def test_em_stays_on_the_cpu_where_a_gpu_is_visible(monkeypatch, tmp_path):
+def test_em_stays_on_the_cpu_where_a_gpu_is_visible(monkeypatch, tmp_path, capsys):
     """runtime.device auto picks the CPU for EM even where a GPU is visible (its statistics,
-    tensors made on the CPU, met the data on the GPU there): the run never asks for CUDA."""
+    tensors made on the CPU, met the data on the GPU there), through ``gossip-pfl run`` and
+    a workload built alone: the run never asks for CUDA. Asked for it, a one-line error."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda *a: pytest.fail("asked for CUDA"))
+    args = ["run", _config_file(tmp_path), "--out", str(tmp_path / "run"), "--quiet",
+            "--set", "rounds=2", "--set", "runtime.device=auto"]  # fmt: skip
+    assert main(args) == 0
     cfg = _cfg(tmp_path, rounds=2)
     cfg.runtime.device = "auto"
     run, summary = _run(cfg)
     assert run.device.type == "cpu" and run.x.device.type == "cpu"
     assert np.isfinite(summary["h_sq"])
-    # asked for the GPU: refused, naming the key
-    for key, value in (("device", "cuda"), ("backend", "nccl")):
-        cfg = _cfg(tmp_path / key, rounds=2)
-        setattr(cfg.runtime, key, value)
-        with pytest.raises(GossipError, match=f"runtime.{key}' '{value}': EM runs on the CPU"):
-            ExpFamRun(cfg, dataset=_data(), log=lambda *a: None)
+    capsys.readouterr()
+    for key, value in (("device", "cuda"), ("backend", "nccl"), ("device", "gpu")):
+        args = ["run", _config_file(tmp_path), "--out", str(tmp_path / key / value),
+                "--set", f"runtime.{key}={value}"]  # fmt: skip
+        assert main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        want = "must be auto, cpu or cuda" if value == "gpu" else "EM runs on the CPU"
+        assert len(err) == 1 and f"runtime.{key}" in err[0] and want in err[0], err
 
 
 def test_cli_run_prints_em_results(tmp_path, capsys):

@@ -1079,7 +1079,11 @@ GRAPH_CASES = {
     "fedli_ls max, 3 trials": {"name": "fedli_ls", "components": 1,
                                "line_search": {"eta_max": 50.0, "reset": "max", "max_trials": 3}},
     "fedprox, fedli_ls rule, lr schedule": {"name": "fedprox", "components": 1, "mu": 0.5,
-                                            "rule": {"name": "fedli_ls"}, "lr_decay": [0.5]},
+                                            "rule": {"name": "fedli_ls"}, "lr_decay": [0.5],
+                                            "line_search": {"eta_max": 20.0}},
+    # the objective a batch's mean over its real samples: further trials take the factor too
+    "fedli_ls, loss by B": {"name": "fedli_ls", "components": 1, "loss_divisor": "batch_size",
+                            "line_search": {"eta_max": 20.0}},
     "scaffold, fedli_ls rule": {"name": "scaffold", "components": 1,
                                 "rule": {"name": "fedli_ls"}, "line_search": {"eta_max": 10.0}},
 }  # fmt: skip
@@ -1301,7 +1305,8 @@ CLOSED_FORM_GRAPH_CASES = ["fedem, momentum, decay, lr schedule", "fedprox, lr s
                            "dfedem, momentum (step sizes by peer), lr schedule",
                            "scaffold, momentum, lr schedule", "apfl, momentum",
                            "pfedme, lr schedule", "fedli_lu, momentum",
-                           "fedli_ls grow, decay", "fedli_ls max, 3 trials"]  # fmt: skip
+                           "fedli_ls grow, decay", "fedli_ls max, 3 trials",
+                           "fedli_ls, loss by B"]  # fmt: skip
 
 
 @pytest.mark.parametrize("forms", [(), ("cpu",)])

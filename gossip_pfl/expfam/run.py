@@ -136,6 +136,19 @@ class ExpFamRun(RoundLoop):
     def write_plots(run_dir: Path) -> list[Path]:
         return plot_run(Path(run_dir))
 
+    @staticmethod
+    def comm_device(rt) -> str:
+        """EM runs on the CPU, also where a GPU is visible (``auto``); asked for CUDA (a
+        device or NCCL), a one-line error."""
+        if rt.device == "cuda" or rt.backend == "nccl":
+            key, value = ("device", rt.device) if rt.device == "cuda" else ("backend", rt.backend)
+            raise GossipError(
+                f"config key 'runtime.{key}' {value!r}: EM runs on the CPU (its statistics are "
+                "a few numbers a worker, in float64); leave runtime.device at auto or cpu and "
+                "runtime.backend at auto or gloo"
+            )
+        return "cpu" if rt.device == "auto" else rt.device  # (another name: init_comm's error)
+
     def __init__(self, cfg: RunConfig, dataset: ExpFamData | None = None, comm=None, log=print):
         from gossip_pfl.train import build_schedule
 
@@ -153,16 +166,8 @@ class ExpFamRun(RoundLoop):
                 f"config key 'runtime.precision' {rt.precision!r}: EM runs in float64; "
                 "leave it at float32"
             )
-        if rt.device == "cuda" or rt.backend == "nccl":
-            key, value = ("device", rt.device) if rt.device == "cuda" else ("backend", rt.backend)
-            raise GossipError(
-                f"config key 'runtime.{key}' {value!r}: EM runs on the CPU (its statistics are "
-                "a few numbers a worker, in float64); leave runtime.device at auto or cpu and "
-                "runtime.backend at auto or gloo"
-            )
         self.threads = configure_host(rt.threads)  # before any torch work, as the Trainer
-        # (auto: the CPU, also where a GPU is visible)
-        self.comm = comm or init_comm("cpu", rt.backend, rt.timeout_s)
+        self.comm = comm or init_comm(self.comm_device(rt), rt.backend, rt.timeout_s)
         self.device = self.comm.device
         self.data = dataset if dataset is not None else build_data(e, cfg.seed)
         self.model, theta0 = build_model(e, self.data)

@@ -341,14 +341,15 @@ def build_comm(
     return TRANSPORTS[transport](device, timeout_s, **options)
 
 
-def comm_from_config(rt) -> Comm:
+def comm_from_config(rt, device: str | None = None) -> Comm:
     """The transport a run config (``RuntimeConfig``) asks for, in a process started by
-    ``gossip-pfl run`` (or torchrun). Peer-to-peer processes are started by ``gossip-pfl peer``,
-    which builds its ZmqComm from the peers file and its ``--id``."""
+    ``gossip-pfl run`` (or torchrun), on ``device`` (default ``rt.device``; a workload may
+    choose its own). Peer-to-peer processes are started by ``gossip-pfl peer``, which builds
+    its ZmqComm from the peers file and its ``--id``."""
     if rt.transport != "torch":
         raise GossipError(
             f"runtime.transport is {rt.transport!r}: start each process with "
             "'gossip-pfl peer CONFIG --peers PEERS.yaml --id K' (or 'gossip-pfl peers-local "
             "CONFIG -n N' on one machine), not 'gossip-pfl run'"
         )
-    return init_comm(rt.device, rt.backend, rt.timeout_s)
+    return init_comm(device or rt.device, rt.backend, rt.timeout_s)
