@@ -128,6 +128,15 @@ bench() {
     # its JSON into its log: the device tool returns at most 8 files
     stage ops "$2" bash -c '$PY benchmarks/bench_ops.py --rounds 5 --set runtime.device=$DEV \
         --json /tmp/bench_ops.json && cat /tmp/bench_ops.json'
+    # FedLi-LS's line search eager and as step graphs (the graphs read one value back a
+    # trial; untimed before), twice each, alternating: wall time and accuracy
+    stage line_search 80 bash -c 'for g in false true false true; do
+        echo "runtime.cuda_graph_steps=$g:"
+        $PY -m gossip_pfl run configs/synthetic/fedli_ls.yaml --no-plots --overwrite \
+            --set runtime.device=$DEV --set runtime.cuda_graph_steps=$g --out /tmp/ls_run \
+            > /tmp/ls.log 2>&1 && grep -E "wall_s|test_acc|graph" /tmp/ls.log \
+            || { echo "failed:"; tail -5 /tmp/ls.log; exit 1; }
+    done'
     # each operation's first call in a fresh process (a fresh run's one-time costs), then
     # a round's phases and profile, without the CUDA graphs and with them
     stage profile "$3" bash -c '$PY benchmarks/gpu_first_use.py; first=$?
@@ -194,7 +203,7 @@ case "${1:-}" in
         exit 2
         ;;
 esac
-# the device tool brings back at most 8 files from $OUT (`all` writes 11): past that, the
+# the device tool brings back at most 8 files from $OUT (`all` writes 12): past that, the
 # checks' logs go back as one archive (a call stopped before this point leaves them as they are)
 case "${1:-}" in
     test | bench | all | cnn)
