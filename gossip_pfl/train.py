@@ -300,6 +300,11 @@ class Trainer(RoundLoop):
         per_epoch = -(-self.counts // a.batch_size)
         self.batches_per_epoch = torch.as_tensor(per_epoch, device=self.device)
         self._batches_host = per_epoch  # (the compiled line search's)
+        # the compiled loops of this run beside its forward's, with the setup
+        if self._armijo_linear():
+            self.forward.warm_up("armijo_round")
+        if self._personal_linear():
+            self.forward.warm_up("personal_round")
         self.outbox = None
         self._finite_pending = None  # a queued _check_finite
         self._finite_host = None

@@ -11,4 +11,4 @@ try:
 except (ImportError, RuntimeError, OSError):  # no loadable numba: the runs use torch ops
     pass
 else:
-    kernels.warm_up()
+    kernels.warm_up(kernels.COMMON)  # (a rank of pFedMe or FedLi-LS loads its own)

@@ -286,20 +286,29 @@ def test_step_sum_four_samples_a_pass_equals_one_at_a_time(M):
         np.testing.assert_array_equal(g, want, err_msg=f"{k} samples")
 
 
-def test_the_cpu_loops_load_with_the_forward_that_uses_them(monkeypatch):
-    """The compiled CPU loops are loaded (compiled, on a fresh install: 1.7 s) when the
-    forward that runs them is made, with the run's setup, not at its first round and
-    evaluation; a forward without them loads nothing."""
+def test_the_cpu_loops_load_with_the_forward_and_the_run_that_use_them(monkeypatch, tmp_path):
+    """The compiled CPU loops are loaded (compiled, on a fresh install: 15 s all five on a
+    2-core machine) with the run's setup, not at its first round and evaluation: the forward
+    that runs them loads those every run calls, a run its own beside them (pFedMe's and
+    APFL's round, FedLi-LS's line search), and a forward without them loads nothing."""
     pytest.importorskip("numba")
     from gossip_pfl.runtime import kernels
 
     loads = []
-    monkeypatch.setattr(kernels, "warm_up", lambda: loads.append(1))
+    monkeypatch.setattr(kernels, "warm_up", lambda names=kernels.LOOPS: loads.extend(names))
     model = build_model("linear", (5,), 2)
     for cpu_kernels, batching, want in ((True, "auto", 1), (False, "auto", 0), (True, "vmap", 0)):
         loads.clear()
         fwd = BatchedForward(model, ParamLayout(model), batching, cpu_kernels=cpu_kernels)
-        assert len(loads) == want == int(bool(fwd.kernels))
+        assert want == int(bool(fwd.kernels))
+        assert loads == list(kernels.COMMON if want else ())
+    cases = [("fedavg", "auto", []), ("pfedme", "auto", ["personal_round"]),
+             ("apfl", "auto", ["personal_round"]), ("fedli_ls", "auto", ["armijo_round"]),
+             ("fedli_ls", "vmap", None)]  # fmt: skip
+    for name, batching, extra in cases:
+        loads.clear()
+        trainer(tmp_path / name / batching, batching, {"name": name, "components": 1})
+        assert loads == ([] if extra is None else [*kernels.COMMON, *extra]), name
 
 
 def test_kernel_warm_up_loads_the_types_a_run_passes(monkeypatch, tmp_path):

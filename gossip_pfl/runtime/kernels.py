@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import math
 import os
+import tempfile
 import threading
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
 
 import numpy as np
 from numba import njit
@@ -553,25 +557,64 @@ def mixture_scores(lo, hi, theta, pi, x, y, counts, nll, correct):
         correct[p] = hits
 
 
-def warm_up() -> None:
-    """Load (or compile) the round's, the E-step losses' and the scores' loops for the arrays
-    the runtime passes (float32 parameters and samples, int64 indices and labels, all
-    C-contiguous), on empty ranges: a process that forks workers (the tests' fork server)
-    then loads them once, not each worker (numba's start and the loads take about 0.5 s a
-    process). tests/test_speed.py checks that a run after it loads no other signature."""
+#: the loops a run of the binary linear model on a CPU calls whatever its algorithm (its
+#: forward loads them); pFedMe's and APFL's ``personal_round`` and FedLi-LS's
+#: ``armijo_round`` are loaded by the runs that take them
+COMMON = ("sgd_round", "bce_losses", "mixture_scores")
+LOOPS = (*COMMON, "armijo_round", "personal_round")
+
+
+def warm_up(names: Iterable[str] = LOOPS) -> None:
+    """Load (or compile) the loops ``names`` for the arrays the runtime passes (float32
+    parameters and samples, int64 indices and labels, all C-contiguous), on empty ranges: a
+    run's setup loads those it calls, not its first round, and a process that forks workers
+    (the tests' fork server) loads every one once, not each worker (numba's start and the
+    loads take about 0.5 s a process). Without numba's cache each one compiles: 0.3 to 9 s
+    on a 2-core machine, 15 s all five, which is why a run loads only its own.
+    tests/test_speed.py checks that a run after it loads no other signature."""
     f32, i64 = np.float32, np.int64
     theta, x, labels = np.zeros((1, 1, 2), f32), np.zeros((1, 2), f32), np.zeros((1, 1), i64)
     ints, floats = np.zeros(1, i64), np.zeros(1, f32)  # per peer: offsets, counts; step
     pi, cube_i, cube_f = np.zeros((1, 1), f32), np.zeros((1, 1, 1), i64), np.zeros((1, 1, 1), f32)
-    sgd_round(0, 0, theta, x, ints, ints, labels, cube_i, cube_f, floats, cube_f, pi, f32(0), pi,
-              np.zeros((0, 2), f32), cube_f, np.zeros(0))  # fmt: skip
-    armijo_round(0, 0, theta, x, ints, ints, labels, cube_i, cube_f, cube_f, np.zeros(1),
-                 np.zeros(1), ints, 1, 0.0, 0.0, 0.1, 0.9, 1.0, 1, RESET_GROW)  # fmt: skip
-    personal_round(0, 0, theta, x, ints, ints, labels, cube_i, cube_f, floats,
-                   np.zeros((0, 2), f32), cube_f, theta, floats, PFEDME, f32(1), f32(0), 1,
-                   f32(0), f32(0))  # fmt: skip
-    bce_losses(0, 0, theta, x, ints, ints, labels, cube_f)
-    mixture_scores(0, 0, theta, pi, cube_f, labels, ints, np.zeros(1), np.zeros(1))
+    calls = {
+        "sgd_round": lambda: sgd_round(
+            0, 0, theta, x, ints, ints, labels, cube_i, cube_f, floats, cube_f, pi, f32(0), pi,
+            np.zeros((0, 2), f32), cube_f, np.zeros(0)),
+        "armijo_round": lambda: armijo_round(
+            0, 0, theta, x, ints, ints, labels, cube_i, cube_f, cube_f, np.zeros(1),
+            np.zeros(1), ints, 1, 0.0, 0.0, 0.1, 0.9, 1.0, 1, RESET_GROW),
+        "personal_round": lambda: personal_round(
+            0, 0, theta, x, ints, ints, labels, cube_i, cube_f, floats, np.zeros((0, 2), f32),
+            cube_f, theta, floats, PFEDME, f32(1), f32(0), 1, f32(0), f32(0)),
+        "bce_losses": lambda: bce_losses(0, 0, theta, x, ints, ints, labels, cube_f),
+        "mixture_scores": lambda: mixture_scores(0, 0, theta, pi, cube_f, labels, ints,
+                                                 np.zeros(1), np.zeros(1)),
+    }  # fmt: skip
+    with _one_compiler():
+        for name in names:
+            calls[name]()
+
+
+@contextmanager
+def _one_compiler():
+    """Hold a lock that processes of this user share while loading the loops: without
+    numba's cache, only the first compiles and the others (torchrun's ranks, the tests'
+    workers, two runs side by side) then load what it wrote, instead of each compiling the
+    same loops at once on the same cores. Where no lock can be taken, no lock."""
+    try:
+        import fcntl
+
+        path = Path(tempfile.gettempdir()) / f"gossip_pfl-kernels-{os.getuid()}.lock"
+        handle = open(path, "a")  # noqa: SIM115 - held until the loads are done
+    except (ImportError, AttributeError, OSError):  # (not POSIX; no writable temp folder)
+        yield
+        return
+    with handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except OSError:
+            pass
+        yield  # (closing the file releases the lock)
 
 
 _pool: ThreadPoolExecutor | None = None

@@ -132,8 +132,8 @@ class BatchedForward:
             else:
                 self._kernels = kernels
                 # loaded (or compiled) now, with the run's setup, as the plan's loops are: not
-                # in its first round and evaluation (about 70 ms, 1.7 s without numba's cache)
-                kernels.warm_up()
+                # in its first round and evaluation (about 70 ms; 11 s without numba's cache)
+                kernels.warm_up(kernels.COMMON)
 
         def single(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             return functional_call(model, layout.unflatten(flat), (x,))
@@ -407,6 +407,12 @@ class BatchedForward:
         """The compiled round's samples and plan (peer axis first)."""
         return (split.augmented.numpy(), split.offsets, split.host_counts, split.host_y,
                 idx.transpose(1, 0, 2), weight.transpose(1, 0, 2))  # fmt: skip
+
+    def warm_up(self, *names: str) -> None:
+        """Load (or compile) the compiled loops ``names`` beside :data:`kernels.COMMON`
+        (with the compiled loops only)."""
+        if self.kernels:
+            self._kernels.warm_up(names)
 
     def _compiled(self, name: str, split, *args) -> None:
         """The compiled loop ``name`` of :mod:`gossip_pfl.runtime.kernels` over ``split``'s
