@@ -23,12 +23,9 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 from numba import njit
@@ -568,9 +565,9 @@ def warm_up(names: Iterable[str] = LOOPS) -> None:
     """Load (or compile) the loops ``names`` for the arrays the runtime passes (float32
     parameters and samples, int64 indices and labels, all C-contiguous), on empty ranges: a
     run's setup loads those it calls, not its first round, and a process that forks workers
-    (the tests' fork server) loads every one once, not each worker (numba's start and the
-    loads take about 0.5 s a process). Without numba's cache each one compiles: 0.3 to 9 s
-    on a 2-core machine, 15 s all five, which is why a run loads only its own.
+    (the tests' fork server) loads them once, not each worker (numba's start and the loads
+    take about 0.5 s a process). Without numba's cache each one compiles (0.3 to 9 s on a
+    2-core machine, 15 s all five): a run loads only its own.
     tests/test_speed.py checks that a run after it loads no other signature."""
     f32, i64 = np.float32, np.int64
     theta, x, labels = np.zeros((1, 1, 2), f32), np.zeros((1, 2), f32), np.zeros((1, 1), i64)
@@ -590,31 +587,8 @@ def warm_up(names: Iterable[str] = LOOPS) -> None:
         "mixture_scores": lambda: mixture_scores(0, 0, theta, pi, cube_f, labels, ints,
                                                  np.zeros(1), np.zeros(1)),
     }  # fmt: skip
-    with _one_compiler():
-        for name in names:
-            calls[name]()
-
-
-@contextmanager
-def _one_compiler():
-    """Hold a lock that processes of this user share while loading the loops: without
-    numba's cache, only the first compiles and the others (torchrun's ranks, the tests'
-    workers, two runs side by side) then load what it wrote, instead of each compiling the
-    same loops at once on the same cores. Where no lock can be taken, no lock."""
-    try:
-        import fcntl
-
-        path = Path(tempfile.gettempdir()) / f"gossip_pfl-kernels-{os.getuid()}.lock"
-        handle = open(path, "a")  # noqa: SIM115 - held until the loads are done
-    except (ImportError, AttributeError, OSError):  # (not POSIX; no writable temp folder)
-        yield
-        return
-    with handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        except OSError:
-            pass
-        yield  # (closing the file releases the lock)
+    for name in names:
+        calls[name]()
 
 
 _pool: ThreadPoolExecutor | None = None
