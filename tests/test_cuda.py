@@ -142,6 +142,27 @@ def test_cnn_graphed_steps_equal_eager_steps(participation, precision, tmp_path)
     close(graphed.personal["pi"], eager.personal["pi"])
 
 
+def test_cnn_line_search_as_graphs_takes_the_eager_round(tmp_path):
+    """runtime.cuda_graph_steps with FedLi-LS's line search on the CNN (a graph of each step's
+    start and end, one a further trial): after a round, the eager steps' parameters, step
+    sizes and kept losses to float tolerance. One round: a graphed trial runs every peer of
+    its step where the eager one runs those still searching, which may take other kernels,
+    and a trial at its threshold could then go the other way in a later round."""
+    runs = []
+    for graphs in (False, True):
+        tr = cnn_trainer(tmp_path / str(graphs), "cuda",
+                         {"name": "fedli_ls", "components": 1, "momentum": 0.0},
+                         cuda_graph_steps=graphs)  # fmt: skip
+        runs.append(rounds(tr, 1))
+    eager, graphed = runs
+    kinds = {key[0][1] for key in graphed.step_graphs.graphs}
+    assert {"start", "end"} <= kinds and graphed.step_graphs.failure is None
+    close = partial(torch.testing.assert_close, rtol=1e-5, atol=1e-6)
+    close(graphed.nodes, eager.nodes)
+    close(graphed.opt_state.eta, eager.opt_state.eta)
+    close(graphed.last_loss, eager.last_loss)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_queued_finite_check_on_cuda_names_the_first_bad_peer(bad, tmp_path):
     """The GPU's queued finite check: each peer's smallest and largest value copied to one

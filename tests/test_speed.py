@@ -1502,27 +1502,35 @@ def test_step_sizes_recorded_once_a_round_are_the_last_ones_taken(
 
 
 @pytest.mark.parametrize("precision", ["float32", "bf16"])
-def test_graphed_cnn_steps_give_the_eager_steps_bits(precision, monkeypatch, tmp_path):
+@pytest.mark.parametrize("algorithm", [
+    {"lr_decay": [0.5]}, {"name": "fedli_ls", "components": 1, "momentum": 0.0}],
+    ids=["fedem", "fedli_ls"])  # fmt: skip
+def test_graphed_cnn_steps_give_the_eager_steps_bits(algorithm, precision, monkeypatch, tmp_path):
     """The CNN's FedEM steps (gradients by parameter leaf, momentum, weight decay, the step
-    size cut after two of four rounds, 3 of 5 clients a round, the reordered plan) through
-    the simulated graphs of ``runtime.cuda_graph_steps``: the eager steps' bits, in float32
-    and under bf16 autocast."""
+    size cut after two of four rounds, 3 of 5 clients a round, the reordered plan) and
+    FedLi-LS's line search (its trial graphs) through the simulated graphs of
+    ``runtime.cuda_graph_steps``: the eager steps' bits, in float32 and under bf16
+    autocast."""
     import gossip_pfl.train as train
     from gossip_pfl.runtime.graphs import GraphReplay
 
     monkeypatch.setattr(train, "REORDER_ON", ("cpu",))
     out = {}
     for graphs in (False, True):
-        tr = cnn_trainer_fedem(tmp_path / str(graphs), "cpu", {"lr_decay": [0.5]},
-                               precision=precision)  # fmt: skip
+        tr = cnn_trainer_fedem(tmp_path / str(graphs), "cpu", algorithm, precision=precision)
         tr.cfg.rounds, tr.cfg.participation, tr.n_active = 4, 0.6, 3
         tr.step_graphs = GraphReplay(keep=1024, simulate=True) if graphs else None
         out[graphs] = rounds(tr, 4)
     eager, graphed = out[False], out[True]
     assert len(graphed.step_graphs.graphs) >= 2
+    if tr.line_search:  # (a step whose peers searched more than one trial)
+        assert any(key[0][1] == "trial" for key in graphed.step_graphs.graphs)
     assert torch.equal(eager.nodes, graphed.nodes)
     assert torch.equal(eager.opt_state.momentum, graphed.opt_state.momentum)
-    assert torch.equal(eager.personal["pi"], graphed.personal["pi"])
+    assert torch.equal(eager.opt_state.eta, graphed.opt_state.eta)
+    assert torch.equal(eager.last_loss, graphed.last_loss)
+    for k in eager.personal:
+        assert torch.equal(eager.personal[k], graphed.personal[k])
 
 
 def test_a_failed_capture_leaves_the_steps_eager_and_says_so(tmp_path):
