@@ -42,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import gossip_pfl.train as train
 from gossip_pfl import models
 from gossip_pfl.config import load_config
-from gossip_pfl.runtime import data, solver
+from gossip_pfl.runtime import data, solver, stack
 from gossip_pfl.runtime.graphs import SIMULATED_REPLAY
 from gossip_pfl.runtime.threads import available_cores
 from gossip_pfl.train import Trainer
@@ -160,6 +160,7 @@ GPU_FORMS = (
     (train, "REORDER_ON", ("cpu",)),
     (solver, "FUSED_ON", ("cpu",)),
     (models, "CONV_AS_PRODUCTS", ("cpu",)),
+    (stack, "PIECES_AT_ONCE_ON", ()),  # (in turn, as a GPU: the simulated graphs see them)
 )
 
 
@@ -167,7 +168,7 @@ GPU_FORMS = (
 def gpu_forms():
     """Inside: a trainer made on the CPU takes a GPU's forms (``--gpu-layout``: the dense
     layout, the plan reordered, the fused solver, the queued finite check, the convolutions
-    as products); restored after."""
+    as products, pieces of calls in turn); restored after."""
     saved = [(module, name, getattr(module, name)) for module, name, _ in GPU_FORMS]
     try:
         for module, name, value in GPU_FORMS:

@@ -265,6 +265,12 @@ class Trainer(RoundLoop):
         self.surrogate = build_surrogate(cfg, self.spec, self.M, task)
         self.personal = self.surrogate.init_personal(self.train_ids[self.peers], theta0)
         self.solver = build_solver(cfg, self.spec, self.rule)
+        if isinstance(self.solver, LocalArmijo) and not hasattr(self.surrogate, "shared_loss"):
+            raise GossipError(
+                f"rule.name {cfg.rule.name or self.spec.rule!r}: its clients search their step "
+                f"on the shared model's loss, which algorithm.name {a.name!r} does not give "
+                "(its clients train a personal model); choose another rule"
+            )
         self.opt_state = self.solver.init(self.nodes[:L])
         ft = cfg.eval.finetune_epochs
         self.finetune_epochs = self.spec.finetune_epochs if ft is None else ft

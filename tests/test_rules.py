@@ -699,6 +699,16 @@ def test_gossip_fedli_ls_clients_search_their_step(tmp_path):
     assert not torch.allclose(eta, torch.full_like(eta, cfg.algorithm.lr))
 
 
+@pytest.mark.parametrize("algorithm", ["pfedme", "apfl"])
+def test_a_line_search_rule_for_personal_models_is_refused(algorithm, tmp_path):
+    """FedLi-LS's rule searches each client's step on the shared model's loss, which pFedMe's
+    and APFL's clients (a personal model each) do not give: refused in one line where the
+    run failed in its first round (an AttributeError's traceback)."""
+    cfg = cfg_for(tmp_path, algorithm, rule={"name": "fedli_ls"})
+    with pytest.raises(GossipError, match=f"rule.name 'fedli_ls'.*algorithm.name '{algorithm}'"):
+        Trainer(cfg, dataset=toy_dataset(8), log=quiet)
+
+
 def test_participation_inside_the_schedule_is_refused(tmp_path):
     """A server schedule's own sampling would run beside 'participation': one way only."""
     sched = {"graph": "server", "graph_args": {"participation": 0.5}}

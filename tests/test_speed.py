@@ -312,7 +312,8 @@ def test_the_cpu_loops_load_with_the_forward_and_the_run_that_use_them(monkeypat
 
 
 def test_kernel_warm_up_loads_the_types_a_run_passes(monkeypatch, tmp_path):
-    """kernels.warm_up, which the tests' fork server runs before forking ranks, calls each
+    """kernels.warm_up (the tests' fork server runs it for the common loops before forking
+    ranks, a run for its own loops with its setup) calls each
     loop with the argument types a run passes: a D-FedEM round (the E-step in the loop), an
     E-step's losses as a pass of their own (momentum), pFedMe's, APFL's and FedLi-LS's rounds
     and an evaluation find no other type (each rank would then load its own, half a second)."""
@@ -1531,6 +1532,25 @@ def test_graphed_cnn_steps_give_the_eager_steps_bits(algorithm, precision, monke
     assert torch.equal(eager.last_loss, graphed.last_loss)
     for k in eager.personal:
         assert torch.equal(eager.personal[k], graphed.personal[k])
+
+
+def test_a_gpus_layout_runs_pieces_in_turn_for_the_simulated_graphs(monkeypatch, tmp_path):
+    """In a GPU's forms (``bench_ops.py --gpu-layout``) the pieces of a step's calls run in
+    turn, as on a GPU, whatever this CPU's threads: the simulated graphs check this thread's
+    operations only, and with the pieces on other threads took the results they gathered
+    for memory freed since the first call (the CNN on two threads)."""
+    from gossip_pfl.runtime.graphs import GraphReplay
+
+    bench_ops = _bench_ops(monkeypatch)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # (the pieces' threads)
+    with bench_ops.gpu_forms():
+        tr = cnn_trainer_fedem(tmp_path, "cpu", {"lr_decay": [0.5]}, step_chunk=16)
+        assert tr.forward.piece_threads(tr.device) == 1
+        tr.cfg.participation, tr.n_active = 0.6, 3
+        tr.step_graphs = GraphReplay(keep=1024, simulate=True)
+        rounds(tr, 3)
+    assert len(tr.step_graphs.graphs) >= 2
+    assert tr.forward.piece_threads(tr.device) == 2  # (the CPU's own form, after)
 
 
 def test_a_failed_capture_leaves_the_steps_eager_and_says_so(tmp_path):

@@ -23,6 +23,10 @@ from gossip_pfl.models import Linear
 from gossip_pfl.runtime.data import Uploads, linear_plan, linear_uploads
 from gossip_pfl.runtime.graphs import GraphReplay
 
+#: devices on which independent pieces of a step's or an evaluation's calls run at once, on
+#: the run's torch threads (:meth:`BatchedForward.piece_threads`); a GPU runs them in turn
+PIECES_AT_ONCE_ON: tuple[str, ...] = ("cpu",)
+
 
 @dataclass(frozen=True)
 class PendingEStep:
@@ -132,7 +136,7 @@ class BatchedForward:
             else:
                 self._kernels = kernels
                 # loaded (or compiled) now, with the run's setup, as the plan's loops are: not
-                # in its first round and evaluation (about 70 ms; 11 s without numba's cache)
+                # in its first round and evaluation (about 70 ms; 9 s without numba's cache)
                 kernels.warm_up(kernels.COMMON)
 
         def single(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -167,7 +171,7 @@ class BatchedForward:
         """How many independent pieces of calls run at once (``runtime/threads.py:
         map_pieces``): the run's torch threads on a CPU where calls may share this forward
         (:attr:`thread_safe`), else 1 (a GPU runs them in turn)."""
-        at_once = device.type == "cpu" and self.thread_safe
+        at_once = device.type in PIECES_AT_ONCE_ON and self.thread_safe
         return torch.get_num_threads() if at_once else 1
 
     def check(self, theta: torch.Tensor, x: torch.Tensor) -> None:
