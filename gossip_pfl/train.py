@@ -657,6 +657,16 @@ class Trainer(RoundLoop):
         if self.track_loss or self.line_search:  # (FedLi: each step keeps its loss)
             reads.append(self.last_loss)
         anchor = self._hold("anchor", theta) if solver.prox_mu else None
+        if anchor is not None:
+            reads.append(anchor)
+        correction = None
+        if self.client is not None:  # fixed within a round (the state changes after it)
+            rows = slice(None) if order is None else order
+            correction = self._hold("correction", self.client.correction(self.client_state, rows))
+            reads.append(correction)
+        if self.line_search:  # (its step sizes are its own: none held)
+            return self._search_graphs(theta, opt_state, personal, anchor, correction, order,
+                                       tuple(reads))  # fmt: skip
         if neg_step is not None:
             neg = self._hold("neg_step", neg_step)
             reads.append(neg)
@@ -666,17 +676,7 @@ class Trainer(RoundLoop):
                 self._held["factor"] = torch.zeros((), dtype=torch.float64, device=self.device)
             lr_factor = self._held["factor"].fill_(factor)
             reads += [lr_factor] if lr_scale is None else [lr_scale, lr_factor]
-        if anchor is not None:
-            reads.append(anchor)
-        correction = None
-        if self.client is not None:  # fixed within a round (the state changes after it)
-            rows = slice(None) if order is None else order
-            correction = self._hold("correction", self.client.correction(self.client_state, rows))
-            reads.append(correction)
         places = tuple(reads)
-        if self.line_search:
-            corr = correction
-            return self._search_graphs(theta, opt_state, personal, anchor, corr, order, places)
 
         def step(st, sw) -> None:
             def run(flat, sw, *b_w, sel=st.sel, shape=st.shape) -> None:

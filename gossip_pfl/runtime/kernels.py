@@ -515,9 +515,7 @@ def bce_losses(lo, hi, theta, x, offsets, counts, y, out):
         for n in range(counts[p]):
             _dots(th, x[offsets[p] + n], P, z)
             for m in range(M):
-                zm = z[m]
-                # max(z, 0) - z y + log(1 + e^-|z|): torch's binary_cross_entropy_with_logits
-                out[p, m, n] = _log_loss(zm, y[p, n])
+                out[p, m, n] = _log_loss(z[m], y[p, n])
 
 
 @njit(**_OPTS)
