@@ -188,10 +188,10 @@ class RuntimeConfig:
     #: autocast; losses, gradients and parameters stay float32. Helps convolutional models on
     #: a GPU (tensor cores); on a CPU it may be slower. The closed-form linear step is float32.
     precision: str = "float32"
-    #: CPU only: the binary linear model's local round of SGD without momentum (with a
-    #: mixture's E-step, peer by peer before its steps; with FedProx's proximal term, weight
-    #: decay and SCAFFOLD's correction; keeping FedLi-LU's losses; with pFedMe's and APFL's
-    #: personal models; FedLi-LS's line search), E-step losses and scores as compiled loops
+    #: CPU only: the binary linear model's local round of SGD (with a mixture's E-step, peer
+    #: by peer before its steps; with momentum, FedProx's proximal term, weight decay and
+    #: SCAFFOLD's correction; keeping FedLi-LU's losses; with pFedMe's and APFL's personal
+    #: models; FedLi-LS's line search), E-step losses and scores as compiled loops
     #: (numba; gossip_pfl/runtime/kernels.py); false runs them as torch operations, as on a
     #: GPU (the same numbers up to float rounding)
     cpu_kernels: bool = True

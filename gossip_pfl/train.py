@@ -516,11 +516,17 @@ class Trainer(RoundLoop):
         if fused:
             with np.errstate(over="ignore"):  # an lr past float32: the finite check names it
                 neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_host
+            heavy = None
+            if self.solver.momentum:  # the direction in the gradient's units, -lr with the
+                mu = np.full_like(neg, self.solver.momentum)  # velocity
+                heavy = (opt_state.momentum.numpy(), np.stack([mu, neg], axis=1))
+                neg = np.ones_like(neg)
             qe = q if q is None or isinstance(q, PendingEStep) else q.expand(L, self.M, -1)
             terms = self._affine_terms(neg) if affine else None
             losses = self.last_loss.numpy() if self.track_loss else None  # (in place)
             self.forward.linear_sgd_round(theta, self.train, (idx, weight, *host), neg, qe,
-                                          a.batch_size, terms, steps_of, losses)  # fmt: skip
+                                          a.batch_size, terms, steps_of, losses,
+                                          heavy)  # fmt: skip
             self._record_eta(opt_state, factor, taken)
             return
         prefix = self.device.type in REORDER_ON
@@ -794,22 +800,24 @@ class Trainer(RoundLoop):
         return plain and not self.line_search
 
     def _affine_sgd(self) -> bool:
-        """SGD without momentum whose step adds terms linear in the parameters (FedProx's
+        """SGD whose step takes momentum, adds terms linear in the parameters (FedProx's
         proximal term, weight decay, SCAFFOLD's correction) or keeps its loss for the rule
         (FedLi-LU), no line search: with the compiled CPU loops, the round's steps are one
         call as plain SGD's are."""
         solver = self.solver
-        return (self.forward.kernels and type(solver) is LocalSGD and not solver.momentum
-                and not self.line_search)  # fmt: skip
+        return self.forward.kernels and type(solver) is LocalSGD and not self.line_search
 
-    def _affine_terms(self, neg: np.ndarray) -> tuple[np.ndarray, np.ndarray | None]:
-        """The compiled round's added terms times each peer's -lr (``neg``, (L,) float32):
-        (L, 2) the proximal term's and the weight decay's coefficients, and (L, M, P)
-        SCAFFOLD's correction c - c_i (fixed within a round) or None."""
-        solver = self.solver
-        # a term that is off is 0, not neg * 0 (NaN where an overflowing lr made neg infinite)
-        coef = np.stack([neg * np.float32(c) if c else np.zeros_like(neg)
-                         for c in (solver.prox_mu, solver.weight_decay)], axis=1)  # fmt: skip
+    def _affine_terms(self, neg: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The compiled round's added terms times each peer's -lr (``neg``, (L,) float32; 1
+        with momentum): (L, 2) the proximal term's and the weight decay's coefficients or
+        None (neither), and (L, M, P) SCAFFOLD's correction c - c_i (fixed within a round) or
+        None."""
+        solver, coef = self.solver, None
+        if solver.prox_mu or solver.weight_decay:
+            # a term that is off is 0, not neg * 0 (NaN where an overflowing lr made neg
+            # infinite)
+            coef = np.stack([neg * np.float32(c) if c else np.zeros_like(neg)
+                             for c in (solver.prox_mu, solver.weight_decay)], axis=1)  # fmt: skip
         if self.client is None:
             return coef, None
         corr = self.client.correction(self.client_state, slice(None))
@@ -818,9 +826,10 @@ class Trainer(RoundLoop):
     @property
     def fuses_e_step(self) -> bool:
         """The round's compiled loop works a mixture's E-step out per peer, just before its
-        steps (:class:`gossip_pfl.runtime.stack.PendingEStep`): plain SGD on the binary
-        linear model with the compiled CPU loops."""
-        return self.forward.kernels and self._plain_sgd() and self._fused_linear()
+        steps (:class:`gossip_pfl.runtime.stack.PendingEStep`): SGD (no line search) on the
+        binary linear model with the compiled CPU loops."""
+        sgd = self._plain_sgd() or self._affine_sgd()
+        return self.forward.kernels and sgd and self._fused_linear()
 
     def _fused_linear(self) -> bool:
         """The whole round's SGD steps in closed form (stack.linear_sgd_round): the binary

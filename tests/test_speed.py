@@ -176,6 +176,19 @@ KERNEL_CASES = {
                                "rule": {"name": "fedli_ls"}},
     "fedli_ls, loss by B": {"name": "fedli_ls", "components": 1, "loss_divisor": "batch_size"},
     "fedli_lu, loss by B": {"name": "fedli_lu", "components": 1, "loss_divisor": "batch_size"},
+    # momentum: alone under FedEM's weights and fixed steps, with the proximal term and weight
+    # decay, SCAFFOLD's correction and an lr schedule, pFedMe's and APFL's personal steps, and
+    # FedLi-LU's kept losses
+    "fedem momentum": {"name": "fedem", "components": 2, "momentum": 0.9, "local_steps": 3},
+    "fedprox momentum, decay": {"name": "fedprox", "components": 1, "mu": 2.0,
+                                "momentum": 0.5, "weight_decay": 0.05},
+    "scaffold momentum": {"name": "scaffold", "components": 1, "momentum": 0.9,
+                          "lr_decay": [0.5]},
+    "pfedme momentum": {"name": "pfedme", "components": 1, "mu": 15.0, "inner_steps": 2,
+                        "personal_lr": 0.02, "momentum": 0.9},
+    "apfl momentum, decay": {"name": "apfl", "components": 1, "alpha": 0.25, "alpha_lr": 0.05,
+                             "momentum": 0.9, "weight_decay": 0.05},
+    "fedli_lu momentum": {"name": "fedli_lu", "components": 1, "momentum": 0.9},
 }  # fmt: skip
 
 
@@ -185,8 +198,9 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
     operations after three rounds, up to float rounding; and the same bits with 1 or 3
     kernel threads (each peer is one thread's). The round is one compiled call for plain
     SGD, for the terms the kernel adds (FedProx's, weight decay, SCAFFOLD's), for the losses
-    it keeps for FedLi's rule and for pFedMe's and APFL's steps, whose personal models (and
-    APFL's alpha) move as the torch operations move them."""
+    it keeps for FedLi's rule, for SGD's momentum (its velocity too), and for pFedMe's and
+    APFL's steps, whose personal models (and APFL's alpha) move as the torch operations move
+    them."""
     pytest.importorskip("numba")
     calls = []
     with pytest.MonkeyPatch.context() as mp:
@@ -211,6 +225,9 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
     for k, v in torch_ops.personal.items():
         torch.testing.assert_close(fast.personal[k], v, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fast.last_loss, torch_ops.last_loss, rtol=1e-5, atol=1e-6)
+    velocity = fast.opt_state.momentum
+    torch.testing.assert_close(velocity, torch_ops.opt_state.momentum, rtol=1e-5, atol=1e-6)
+    assert (velocity.abs().amax((1, 2)) > 0).all() == bool(algorithm.get("momentum"))
     kept = fast.track_loss or fast.line_search
     assert (fast.last_loss > 0).all() == kept  # (kept: every peer stepped)
     torch.testing.assert_close(fast.opt_state.eta, torch_ops.opt_state.eta)  # (step sizes)
@@ -233,7 +250,8 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
     for tr in (runs[1], fast):  # the shared and the peers' own state, bit for bit
         np.testing.assert_array_equal(runs[0].shared_parameters(), tr.shared_parameters())
         for got, want in ((tr.opt_state.eta, runs[0].opt_state.eta),
-                          (tr.last_loss, runs[0].last_loss)):  # fmt: skip
+                          (tr.last_loss, runs[0].last_loss),
+                          (tr.opt_state.momentum, runs[0].opt_state.momentum)):  # fmt: skip
             torch.testing.assert_close(got, want, rtol=0, atol=0)
         for k, v in runs[0].personal.items():
             torch.testing.assert_close(tr.personal[k], v, rtol=0, atol=0)

@@ -1,5 +1,5 @@
-"""Compiled CPU loops (numba) for the binary linear model: a round of SGD without momentum
-(plain, or with FedProx's proximal term, weight decay or SCAFFOLD's correction; with FedEM's
+"""Compiled CPU loops (numba) for the binary linear model: a round of SGD (plain, or with
+momentum, FedProx's proximal term, weight decay or SCAFFOLD's correction; with FedEM's
 E-step, peer by peer, before the peer's steps; :func:`personal_round`: with pFedMe's or APFL's
 personal models), the E-step's losses and the mixture's scores, each one pass over a peer's
 samples; and the round plan's shuffles (:func:`permutations`).
@@ -182,7 +182,7 @@ def _accumulate(g, x, base, order, r, k):
 @njit(**_OPTS)
 def sgd_round(
     lo, hi, theta, x, offsets, counts, labels, idx, weight, step, q, pi, eps, new_pi, affine, shift,
-    losses,
+    losses, velocity, heavy,
 ):  # fmt: skip
     """A round of SGD on sum_b w_b q_bm log-loss(z_bm), in place on theta (L, M, P).
 
@@ -209,7 +209,13 @@ def sgd_round(
     sample n's summed weight in the batch, 0 if not in it; a sample drawn twice, as fixed
     local steps may draw it across two permutations, counts twice). With ``losses`` (L,)
     float64 (not shape (0,)), a peer that steps gets its last step's objective there (FedLi's:
-    sum_b w_b q_bm log-loss(z_bm) / max(sum_b w_b, 1), at the step's starting theta)."""
+    sum_b w_b q_bm log-loss(z_bm) / max(sum_b w_b, 1), at the step's starting theta).
+
+    With ``velocity`` (L, M, P) (not shape (0, 0, 0)) the steps take momentum, as
+    ``torch.optim.SGD`` (dampening 0): ``step`` is then each peer's 1 / B and ``affine`` and
+    ``shift`` are not times -lr (the step's direction d in the gradient's units), and
+    ``heavy`` (L, 2) holds each peer's momentum and -lr: velocity = momentum velocity + d,
+    theta += -lr velocity (:func:`_heavy_step`)."""
     L, M, P = theta.shape
     S = idx.shape[1]
     weighted = q.shape[0] > 0
@@ -222,6 +228,7 @@ def sgd_round(
     affine_on, shift_on = affine.shape[0] > 0, shift.shape[0] > 0
     start = np.zeros((M, P), dtype=np.float32)  # the peer's theta as the round starts
     tracking = losses.shape[0] > 0
+    momentum = velocity.shape[0] > 0
     for p in range(lo, hi):
         last = -1  # the peer's last step, whose objective it keeps
         if tracking:
@@ -266,7 +273,11 @@ def sgd_round(
             if keep:
                 losses[p] = total / max(summed, 1.0)
             _accumulate(g, x, offsets[p], order, r, k)
-            _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on)
+            if momentum:
+                _heavy_step(th, g, prox, decay, start, shift, p, affine_on, shift_on,
+                            velocity[p], heavy[p, 0], heavy[p, 1])  # fmt: skip
+            else:
+                _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on)
 
 
 @njit(inline="always")
@@ -317,6 +328,26 @@ def _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on):
             for i in range(P):
                 th[m, i] += g[m, i]
                 g[m, i] = 0
+
+
+@njit(inline="always", fastmath=_FAST)
+def _heavy_step(th, g, prox, decay, start, shift, p, affine_on, shift_on, vel, mu, neg_lr):
+    """:func:`_add_step` with momentum, as ``torch.optim.SGD`` takes it (dampening 0, the
+    velocity in the gradient's units, zero before the first step): d = g (+ prox (th - start)
+    + decay th, + shift[p]), vel = mu vel + d, th += neg_lr vel; g is left zero."""
+    M, P = th.shape
+    for m in range(M):
+        for i in range(P):
+            v = th[m, i]
+            d = g[m, i]
+            if affine_on:
+                d = d + prox * (v - start[m, i]) + decay * v
+            if shift_on:
+                d = d + shift[p, m, i]
+            b = mu * vel[m, i] + d
+            vel[m, i] = b
+            th[m, i] = v + neg_lr * b
+            g[m, i] = 0
 
 
 @njit(inline="always", fastmath=_FAST)
@@ -435,14 +466,14 @@ PFEDME, APFL = 1, 2  # personal_round's kinds
 @njit(**_OPTS)
 def personal_round(
     lo, hi, theta, x, offsets, counts, labels, idx, weight, step, affine, shift, model, alpha,
-    kind, inv_b, lam, inner_steps, personal_lr, alpha_lr,
+    kind, inv_b, lam, inner_steps, personal_lr, alpha_lr, velocity, heavy,
 ):  # fmt: skip
     """A round of SGD on the shared model theta (L, M, P) of pFedMe or APFL (``kind``), with
     each peer's personal model ``model`` (L, M, P) and APFL's weight ``alpha`` (L,) updated
     in each step, as their torch forms do (:mod:`gossip_pfl.algorithms.personal`), all in
-    place. The plan, ``step`` (each peer's -lr, not divided by B), ``affine`` and ``shift``
-    as in :func:`sgd_round`; a gradient is of the log-loss summed with the plan's weights
-    times ``inv_b`` (1 / B). A step of
+    place. The plan, ``step`` (each peer's -lr, not divided by B; with momentum 1),
+    ``affine``, ``shift``, ``velocity`` and ``heavy`` as in :func:`sgd_round`; a gradient is
+    of the log-loss summed with the plan's weights times ``inv_b`` (1 / B). A step of
 
     - pFedMe: ``inner_steps`` times v -= personal_lr (grad f(v) + lam (v - theta)), then
       theta += step lam (theta - v);
@@ -462,6 +493,7 @@ def personal_round(
     affine_on, shift_on = affine.shape[0] > 0, shift.shape[0] > 0
     start = np.zeros((M, P), dtype=np.float32)
     one = np.float32(1.0)
+    momentum = velocity.shape[0] > 0
     for p in range(lo, hi):
         th, v, base = theta[p], model[p], offsets[p]
         prox = affine[p, 0] if affine_on else np.float32(0.0)
@@ -500,7 +532,11 @@ def personal_round(
                 alpha[p] = min(max(a - alpha_lr * g_alpha, np.float32(0.0)), one)
                 _weighted_pass(th, x, base, labels[p], order, wts, k, q, p, False,
                                step[p] * inv_b, r, z, g, True, False)  # fmt: skip
-            _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on)
+            if momentum:
+                _heavy_step(th, g, prox, decay, start, shift, p, affine_on, shift_on,
+                            velocity[p], heavy[p, 0], heavy[p, 1])  # fmt: skip
+            else:
+                _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on)
 
 
 @njit(**_OPTS)
@@ -574,13 +610,13 @@ def warm_up(names: Iterable[str] = LOOPS) -> None:
     calls = {
         "sgd_round": lambda: sgd_round(
             0, 0, theta, x, ints, ints, labels, cube_i, cube_f, floats, cube_f, pi, f32(0), pi,
-            np.zeros((0, 2), f32), cube_f, np.zeros(0)),
+            np.zeros((0, 2), f32), cube_f, np.zeros(0), cube_f, pi),
         "armijo_round": lambda: armijo_round(
             0, 0, theta, x, ints, ints, labels, cube_i, cube_f, cube_f, np.zeros(1),
             np.zeros(1), ints, 1, 0.0, 0.0, 0.1, 0.9, 1.0, 1, RESET_GROW),
         "personal_round": lambda: personal_round(
             0, 0, theta, x, ints, ints, labels, cube_i, cube_f, floats, np.zeros((0, 2), f32),
-            cube_f, theta, floats, PFEDME, f32(1), f32(0), 1, f32(0), f32(0)),
+            cube_f, theta, floats, PFEDME, f32(1), f32(0), 1, f32(0), f32(0), cube_f, pi),
         "bce_losses": lambda: bce_losses(0, 0, theta, x, ints, ints, labels, cube_f),
         "mixture_scores": lambda: mixture_scores(0, 0, theta, pi, cube_f, labels, ints,
                                                  np.zeros(1), np.zeros(1)),

@@ -311,6 +311,7 @@ class BatchedForward:
         affine: tuple[np.ndarray, np.ndarray | None] | None = None,
         personal: PersonalSteps | None = None,
         losses: np.ndarray | None = None,
+        momentum: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> None:  # fmt: skip
         """A round of SGD on the binary linear model's log-loss, in place on theta
         (L, M, P = [W, b]). ``batches``: the round's plan over ``split``, (idx, weight) of
@@ -326,15 +327,21 @@ class BatchedForward:
         kernel's ``affine`` and ``shift``); None: plain SGD. ``personal`` (kernels only, ``q``
         None): each step is pFedMe's or APFL's (:func:`gossip_pfl.runtime.kernels.
         personal_round`). ``losses`` (L,) float64 (kernels only, not with ``personal``): each
-        peer that steps keeps its last step's objective there (FedLi's)."""
+        peer that steps keeps its last step's objective there (FedLi's). ``momentum``
+        (kernels only): SGD's velocity (L, M, P), updated in place, and (L, 2) each peer's
+        momentum and -lr * factor * scale (the kernel's ``velocity`` and ``heavy``); then
+        ``neg_step`` and ``affine`` are in the gradient's units (``neg_step`` 1 for every
+        peer, the terms' own coefficients)."""
         idx, weight, *host = batches
-        if (affine is not None or personal is not None or losses is not None) and not self.kernels:
-            raise RuntimeError("the added terms, personal steps and losses need the compiled loops")
+        extra = (affine, personal, losses, momentum)
+        if any(e is not None for e in extra) and not self.kernels:
+            raise RuntimeError("the added terms, momentum, personal steps and losses need the "
+                               "compiled loops")  # fmt: skip
         if personal is not None and losses is not None:
             raise RuntimeError("the personal steps keep no losses")
         if personal is not None:
             self._personal_round(theta, split, idx, weight, neg_step, batch_size, affine,
-                                 personal)  # fmt: skip
+                                 personal, momentum)  # fmt: skip
             return
         if self.kernels:
             none = np.zeros((0, 0), np.float32)
@@ -345,7 +352,8 @@ class BatchedForward:
             self._compiled("sgd_round", split, theta.numpy(), *self._plan_args(split, idx, weight),
                            neg_step * np.float32(1.0 / batch_size), _q_arg(q), pi, eps, new_pi,
                            *_affine_args(affine),
-                           np.zeros(0) if losses is None else losses)  # fmt: skip
+                           np.zeros(0) if losses is None else losses,
+                           *_momentum_args(momentum))  # fmt: skip
             return
         if isinstance(q, PendingEStep):
             raise RuntimeError("a pending E-step needs the compiled CPU loops (kernels)")
@@ -395,7 +403,7 @@ class BatchedForward:
                        reset)  # fmt: skip
 
     def _personal_round(self, theta, split, idx, weight, neg_step, batch_size, affine,
-                        personal: PersonalSteps) -> None:  # fmt: skip
+                        personal: PersonalSteps, momentum) -> None:  # fmt: skip
         """:meth:`linear_sgd_round`'s compiled loop with pFedMe's or APFL's steps."""
         k, f32 = self._kernels, np.float32
         alpha = np.zeros(0, f32) if personal.alpha is None else personal.alpha.numpy()
@@ -404,7 +412,7 @@ class BatchedForward:
                        *self._plan_args(split, idx, weight), neg_step, *_affine_args(affine),
                        personal.model.numpy(), alpha, kind, f32(1.0 / batch_size),
                        f32(personal.lam), personal.inner_steps, f32(personal.personal_lr),
-                       f32(personal.alpha_lr))  # fmt: skip
+                       f32(personal.alpha_lr), *_momentum_args(momentum))  # fmt: skip
 
     @staticmethod
     def _plan_args(split, idx: np.ndarray, weight: np.ndarray) -> tuple:
@@ -552,8 +560,17 @@ def _q_arg(q: torch.Tensor | None) -> np.ndarray:
     return np.zeros((0, 0, 0), np.float32) if q is None else q.contiguous().numpy()
 
 
-def _affine_args(affine: tuple[np.ndarray, np.ndarray | None] | None) -> tuple:
+def _affine_args(
+    affine: tuple[np.ndarray | None, np.ndarray | None] | None,
+) -> tuple[np.ndarray, np.ndarray]:
     """The compiled round's ``affine`` and ``shift`` (empty: none)."""
     coef, shift = affine if affine is not None else (None, None)
     coef = np.zeros((0, 2), np.float32) if coef is None else coef
     return coef, np.zeros((0, 0, 0), np.float32) if shift is None else shift
+
+
+def _momentum_args(momentum: tuple[np.ndarray, np.ndarray] | None) -> tuple:
+    """The compiled round's ``velocity`` and ``heavy`` (empty: no momentum)."""
+    if momentum is None:
+        return np.zeros((0, 0, 0), np.float32), np.zeros((0, 2), np.float32)
+    return momentum
