@@ -309,7 +309,7 @@ class Trainer(RoundLoop):
         # the compiled loops of this run beside its forward's, with the setup
         if self._armijo_linear():
             self.forward.warm_up("armijo_round")
-        if self._personal_linear():
+        if self._personal_compiled():
             self.forward.warm_up("personal_round")
         self.outbox = None
         self._finite_pending = None  # a queued _check_finite
@@ -494,8 +494,7 @@ class Trainer(RoundLoop):
         affine = not plain and self._affine_sgd()  # (the compiled loops add its terms)
         # pFedMe's and APFL's steps with the compiled loops
         steps_of = None
-        compiled = self.forward.kernels and self._personal_linear() and not self.track_loss
-        if (plain or affine) and compiled:
+        if (plain or affine) and self._personal_compiled():
             steps_of = self.surrogate.compiled_steps(personal)
         fused = (plain or affine) and (self._fused_linear() or steps_of is not None)  # one call
         # the torch operations' host side of the fused step, drawn with the plan
@@ -853,6 +852,12 @@ class Trainer(RoundLoop):
         (:meth:`scores`), and with the compiled CPU loops its round's steps are one call."""
         return (self.forward.closed_form and self.task == "binary"
                 and hasattr(self.surrogate, "compiled_steps"))  # fmt: skip
+
+    def _personal_compiled(self) -> bool:
+        """pFedMe's or APFL's round is one compiled call (:func:`gossip_pfl.runtime.kernels.
+        personal_round`): with the compiled CPU loops, where no rule reads the loss (the loop
+        keeps none; a line search's rule is refused for them)."""
+        return self.forward.kernels and self._personal_linear() and not self.track_loss
 
     @property
     def _lr_scale_host(self) -> np.ndarray:

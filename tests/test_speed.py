@@ -320,40 +320,47 @@ def test_the_cpu_loops_load_with_the_forward_and_the_run_that_use_them(monkeypat
         fwd = BatchedForward(model, ParamLayout(model), batching, cpu_kernels=cpu_kernels)
         assert want == int(bool(fwd.kernels))
         assert loads == list(kernels.COMMON if want else ())
-    cases = [("fedavg", "auto", []), ("pfedme", "auto", ["personal_round"]),
-             ("apfl", "auto", ["personal_round"]), ("fedli_ls", "auto", ["armijo_round"]),
-             ("fedli_ls", "vmap", None)]  # fmt: skip
-    for name, batching, extra in cases:
+    pfedme_lu = {"name": "pfedme", "rule": {"name": "fedli_lu"}}  # (losses kept: torch steps)
+    cases = [({"name": "fedavg"}, "auto", []), ({"name": "pfedme"}, "auto", ["personal_round"]),
+             ({"name": "apfl"}, "auto", ["personal_round"]),
+             ({"name": "fedli_ls"}, "auto", ["armijo_round"]), ({"name": "fedli_ls"}, "vmap", None),
+             (pfedme_lu, "auto", [])]  # fmt: skip
+    for k, (algorithm, batching, extra) in enumerate(cases):
         loads.clear()
-        trainer(tmp_path / name / batching, batching, {"name": name, "components": 1})
-        assert loads == ([] if extra is None else [*kernels.COMMON, *extra]), name
+        trainer(tmp_path / str(k), batching, {**algorithm, "components": 1})
+        assert loads == ([] if extra is None else [*kernels.COMMON, *extra]), algorithm
 
 
 def test_kernel_warm_up_loads_the_types_a_run_passes(monkeypatch, tmp_path):
     """kernels.warm_up (the tests' fork server runs it for the common loops before forking
     ranks, a run for its own loops with its setup) calls each
-    loop with the argument types a run passes: a D-FedEM round (the E-step in the loop), an
-    E-step's losses as a pass of their own (momentum), pFedMe's, APFL's and FedLi-LS's rounds
-    and an evaluation find no other type (each rank would then load its own, half a second)."""
+    loop with the argument types a run passes: D-FedEM's rounds (the E-step in the loop; with
+    momentum and weight decay), FedEM's E-step losses as a pass of their own (under FedLi-LS's
+    line search), pFedMe's, APFL's and FedLi-LS's rounds and an evaluation find no other type
+    (each rank would then load its own, half a second). A call over no peers (the warm-up's,
+    also in a run's setup) is not counted as a run's."""
     numba = pytest.importorskip("numba")
     from gossip_pfl.runtime import kernels
 
     seen: dict[str, set] = {}
+    warming = True
     names = ("sgd_round", "personal_round", "armijo_round", "bce_losses", "mixture_scores")
     loops = {name: getattr(kernels, name) for name in names}
     for name, loop in loops.items():
 
         def record(*args, name=name, loop=loop):
-            seen.setdefault(name, set()).add(tuple(numba.typeof(a) for a in args))
+            if warming or args[0] < args[1]:  # (lo, hi): some peers
+                seen.setdefault(name, set()).add(tuple(numba.typeof(a) for a in args))
             return loop(*args)
 
         monkeypatch.setattr(kernels, name, record)
     kernels.warm_up()
-    warm = dict(seen)
+    warm, warming = dict(seen), False
     seen.clear()
     cases = [CASES["dfedem (fused SGD update)"], CASES["dfedem, momentum and decay"],
              {"name": "pfedme", "components": 1}, {"name": "apfl", "components": 1},
-             {"name": "fedli_ls", "components": 1}]  # fmt: skip
+             {"name": "fedli_ls", "components": 1},
+             {"name": "fedem", "components": 2, "rule": {"name": "fedli_ls"}}]  # fmt: skip
     for k, case in enumerate(cases):
         tr = rounds(trainer(tmp_path / str(k), "auto", case), 2)
         tr.evaluate(tr.test)
