@@ -196,7 +196,8 @@ class Trainer(RoundLoop):
         model = model_fn().to(self.device)
         self.layout = ParamLayout(model)
         kernels = rt.cpu_kernels and self.device.type == "cpu"
-        self.forward = BatchedForward(model, self.layout, rt.batching, rt.precision, kernels)
+        self.forward = BatchedForward(model, self.layout, rt.batching, rt.precision, kernels,
+                                      self._compiling)  # fmt: skip
         self._held: dict[str, torch.Tensor] = {}  # what the graphs read, held across rounds
         self.task = task
         # Samples per batched call (0 in the config: the model's CPU hint, else no limit for
@@ -314,6 +315,17 @@ class Trainer(RoundLoop):
         self.outbox = None
         self._finite_pending = None  # a queued _check_finite
         self._finite_host = None
+
+    def _compiling(self) -> None:
+        """Said once, by the main process, while numba compiles the CPU loops (a first run on
+        a machine: 10 to 20 s before the run's first line)."""
+        if getattr(self, "_said_compiling", False) or not (
+            self.comm.rank == 0 or not self.comm.collectives
+        ):
+            return
+        self._said_compiling = True
+        self.log("compiling the linear model's CPU loops for this machine (numba: once, then "
+                 "cached; 10 to 20 s)...")  # fmt: skip
 
     def _route(self) -> str:
         """How messages travel: star (hub), gossip (W_t), rule (the rule's own phase), none."""

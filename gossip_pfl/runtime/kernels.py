@@ -24,7 +24,7 @@ from __future__ import annotations
 import math
 import os
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -595,14 +595,18 @@ COMMON = ("sgd_round", "bce_losses", "mixture_scores")
 LOOPS = (*COMMON, "armijo_round", "personal_round")
 
 
-def warm_up(names: Iterable[str] = LOOPS) -> None:
+def warm_up(
+    names: Iterable[str] = LOOPS, notice: Callable[[], None] | None = None, after: float = 1.0
+) -> None:
     """Load (or compile) the loops ``names`` for the arrays the runtime passes (float32
     parameters and samples, int64 indices and labels, all C-contiguous), on empty ranges: a
     run's setup loads those it calls, not its first round, and a process that forks workers
     (the tests' fork server) loads them once, not each worker (numba's start and the loads
     take about 0.5 s a process). Without numba's cache each one compiles (0.3 to 9 s on a
-    2-core machine, 15 s all five): a run loads only its own.
-    tests/test_speed.py checks that a run after it loads no other signature."""
+    2-core machine, 15 s all five): a run loads only its own, and ``notice()`` is called
+    (from another thread) once loading has taken ``after`` seconds, so that a first run can
+    say why it is silent. tests/test_speed.py checks that a run after it loads no other
+    signature."""
     f32, i64 = np.float32, np.int64
     theta, x, labels = np.zeros((1, 1, 2), f32), np.zeros((1, 2), f32), np.zeros((1, 1), i64)
     ints, floats = np.zeros(1, i64), np.zeros(1, f32)  # per peer: offsets, counts; step
@@ -621,8 +625,17 @@ def warm_up(names: Iterable[str] = LOOPS) -> None:
         "mixture_scores": lambda: mixture_scores(0, 0, theta, pi, cube_f, labels, ints,
                                                  np.zeros(1), np.zeros(1)),
     }  # fmt: skip
-    for name in names:
-        calls[name]()
+    timer = None
+    if notice is not None:
+        timer = threading.Timer(after, notice)
+        timer.daemon = True
+        timer.start()
+    try:
+        for name in names:
+            calls[name]()
+    finally:
+        if timer is not None:
+            timer.cancel()
 
 
 _pool: ThreadPoolExecutor | None = None

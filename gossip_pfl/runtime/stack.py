@@ -9,6 +9,7 @@ optimizer update for all peers at once.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -110,6 +111,7 @@ class BatchedForward:
     def __init__(
         self, model: nn.Module, layout: ParamLayout, batching: str = "auto",
         precision: str = "float32", cpu_kernels: bool = False,
+        notice: Callable[[], None] | None = None,
     ):  # fmt: skip
         if batching not in ("auto", "vmap", "loop"):
             raise GossipError(f"runtime.batching must be auto, vmap or loop (got {batching!r})")
@@ -136,8 +138,10 @@ class BatchedForward:
             else:
                 self._kernels = kernels
                 # loaded (or compiled) now, with the run's setup, as the plan's loops are: not
-                # in its first round and evaluation (about 70 ms; 9 s without numba's cache)
-                kernels.warm_up(kernels.COMMON)
+                # in its first round and evaluation (about 70 ms; 9 s without numba's cache,
+                # when ``notice`` says so)
+                self._notice = notice
+                kernels.warm_up(kernels.COMMON, notice)
 
         def single(flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
             return functional_call(model, layout.unflatten(flat), (x,))
@@ -424,7 +428,7 @@ class BatchedForward:
         """Load (or compile) the compiled loops ``names`` beside :data:`kernels.COMMON`
         (with the compiled loops only)."""
         if self.kernels:
-            self._kernels.warm_up(names)
+            self._kernels.warm_up(names, self._notice)
 
     def _compiled(self, name: str, split, *args) -> None:
         """The compiled loop ``name`` of :mod:`gossip_pfl.runtime.kernels` over ``split``'s
