@@ -313,7 +313,7 @@ def test_the_cpu_loops_load_with_the_forward_and_the_run_that_use_them(monkeypat
     from gossip_pfl.runtime import kernels
 
     loads = []
-    monkeypatch.setattr(kernels, "warm_up", lambda names=kernels.LOOPS: loads.extend(names))
+    monkeypatch.setattr(kernels, "warm_up", lambda names=kernels.LOOPS, *_: loads.extend(names))
     model = build_model("linear", (5,), 2)
     for cpu_kernels, batching, want in ((True, "auto", 1), (False, "auto", 0), (True, "vmap", 0)):
         loads.clear()
