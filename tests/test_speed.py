@@ -335,35 +335,41 @@ def test_a_slow_load_of_the_cpu_loops_is_said_once_before_the_runs_first_line(
     monkeypatch, tmp_path, capsys
 ):  # fmt: skip
     """A first run on a machine compiles the CPU loops for 10 to 20 s before its first line:
-    it says so, once, while it waits (here a load made slow, and the notice's delay short);
-    a load from numba's cache (about 70 ms) says nothing."""
+    it says so, once, while it waits (here pFedMe's two loads, the common loops' and its own,
+    made slow, and the notice's delay short); a load from numba's cache (about 70 ms, here
+    the loops already in this process) says nothing."""
     pytest.importorskip("numba")
     import time
 
     from gossip_pfl.cli import main
     from gossip_pfl.runtime import kernels
 
-    real_loss, real_warm_up = kernels.bce_losses, kernels.warm_up
+    real_warm_up = kernels.warm_up
+    slow = {name: getattr(kernels, name) for name in ("bce_losses", "personal_round")}
 
-    def slow_loss(*args):
-        if args[0] == args[1]:  # (a warm-up's call over no peers)
-            time.sleep(0.3)
-        return real_loss(*args)
+    def slowed(real):
+        def loop(*args):
+            if args[0] == args[1]:  # (a warm-up's call over no peers)
+                time.sleep(0.3)
+            return real(*args)
 
-    config = str(Path(__file__).resolve().parents[1] / "configs" / "synthetic" / "fedem.yaml")
+        return loop
+
+    config = str(Path(__file__).resolve().parents[1] / "configs" / "synthetic" / "pfedme.yaml")
     argv = ["run", config, "--set", "rounds=1", "--set", "data.n_clients=6", "--set",
             "data.n_test=10", "--no-plots"]  # fmt: skip
     notice = "compiling the linear model's CPU loops for this machine"
-    for k, slow in enumerate((True, False)):
+    for k, cold in enumerate((True, False)):
         with monkeypatch.context() as mp:
-            mp.setattr(kernels, "warm_up", partial(real_warm_up, after=0.1 if slow else 5))
-            if slow:
-                mp.setattr(kernels, "bce_losses", slow_loss)
+            if cold:
+                mp.setattr(kernels, "warm_up", partial(real_warm_up, after=0.1))
+                for name, real in slow.items():
+                    mp.setattr(kernels, name, slowed(real))
             assert main([*argv, "--out", str(tmp_path / str(k))]) == 0
         lines = capsys.readouterr().out.splitlines()
         said = [x for x in lines if x.startswith(notice)]
-        assert said == ([lines[0]] if slow else []), lines[:3]
-        assert lines[1 if slow else 0].startswith("fedem: "), lines[:3]  # the run's first line
+        assert said == ([lines[0]] if cold else []), lines[:3]
+        assert lines[1 if cold else 0].startswith("pfedme: "), lines[:3]  # the run's first line
 
 
 def test_kernel_warm_up_loads_the_types_a_run_passes(monkeypatch, tmp_path):

@@ -634,8 +634,9 @@ def warm_up(
         for name in names:
             calls[name]()
     finally:
-        if timer is not None:
+        if timer is not None:  # (a notice under way is over before this returns)
             timer.cancel()
+            timer.join()
 
 
 _pool: ThreadPoolExecutor | None = None
