@@ -195,8 +195,9 @@ class RuntimeConfig:
     #: (numba; gossip_pfl/runtime/kernels.py); false runs them as torch operations, as on a
     #: GPU (the same numbers up to float rounding)
     cpu_kernels: bool = True
-    #: CUDA only: the binary linear model's local SGD steps as one CUDA graph, captured in the
-    #: first round and replayed after (the same kernels, one launch; 200 synthetic rounds 1.39
+    #: CUDA only: the binary linear model's local SGD steps (plain, or with momentum, weight
+    #: decay, FedProx's and SCAFFOLD's terms) as one CUDA graph, captured in the first round
+    #: and replayed after (the same kernels, one launch; 200 synthetic rounds 1.39
     #: to 1.47 s against 1.86 on an H200, docs/speed-notes.md); rounds of other shapes (partial
     #: participation) get their own; FedEM's E-step on that model too (the same operations,
     #: from the second round, whoever takes part); false launches each kernel

@@ -503,7 +503,7 @@ class Trainer(RoundLoop):
         L, a = len(self.peers), self.cfg.algorithm
         counts = self.counts if active is None else np.where(active, self.counts, 0)
         plain = self._plain_sgd()
-        affine = not plain and self._affine_sgd()  # (the compiled loops add its terms)
+        affine = not plain and self._affine_sgd()  # (the fused round adds its terms)
         # pFedMe's and APFL's steps with the compiled loops
         steps_of = None
         if (plain or affine) and self._personal_compiled():
@@ -529,8 +529,7 @@ class Trainer(RoundLoop):
                 neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_host
             heavy = None
             if self.solver.momentum:  # the direction in the gradient's units, -lr with the
-                mu = np.full_like(neg, self.solver.momentum)  # velocity
-                heavy = (opt_state.momentum.numpy(), np.stack([mu, neg], axis=1))
+                heavy = (opt_state.momentum, self.solver.momentum, neg)  # velocity
                 neg = np.ones_like(neg)
             qe = q if q is None or isinstance(q, PendingEStep) else q.expand(L, self.M, -1)
             terms = self._affine_terms(neg) if affine else None
@@ -811,18 +810,19 @@ class Trainer(RoundLoop):
         return plain and not self.line_search
 
     def _affine_sgd(self) -> bool:
-        """SGD whose step takes momentum, adds terms linear in the parameters (FedProx's
-        proximal term, weight decay, SCAFFOLD's correction) or keeps its loss for the rule
-        (FedLi-LU), no line search: with the compiled CPU loops, the round's steps are one
-        call as plain SGD's are."""
+        """SGD whose step takes momentum or adds terms linear in the parameters (FedProx's
+        proximal term, weight decay, SCAFFOLD's correction), no line search: the round's
+        steps are fused as plain SGD's are (:meth:`BatchedForward.linear_sgd_round`, with
+        the compiled CPU loops one call; keeping FedLi-LU's losses there only)."""
         solver = self.solver
-        return self.forward.kernels and type(solver) is LocalSGD and not self.line_search
+        return (type(solver) is LocalSGD and not self.line_search
+                and (self.forward.kernels or not self.track_loss))  # fmt: skip
 
-    def _affine_terms(self, neg: np.ndarray) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """The compiled round's added terms times each peer's -lr (``neg``, (L,) float32; 1
+    def _affine_terms(self, neg: np.ndarray) -> tuple[np.ndarray | None, torch.Tensor | None]:
+        """The fused round's added terms times each peer's -lr (``neg``, (L,) float32; 1
         with momentum): (L, 2) the proximal term's and the weight decay's coefficients or
-        None (neither), and (L, M, P) SCAFFOLD's correction c - c_i (fixed within a round) or
-        None."""
+        None (neither), and (L, M, P) SCAFFOLD's correction c - c_i on the device (fixed
+        within a round) or None."""
         solver, coef = self.solver, None
         if solver.prox_mu or solver.weight_decay:
             # a term that is off is 0, not neg * 0 (NaN where an overflowing lr made neg
@@ -832,7 +832,7 @@ class Trainer(RoundLoop):
         if self.client is None:
             return coef, None
         corr = self.client.correction(self.client_state, slice(None))
-        return coef, (torch.from_numpy(neg)[:, None, None] * corr).contiguous().numpy()
+        return coef, self.uploads("neg_step", neg)[:, None, None] * corr
 
     @property
     def fuses_e_step(self) -> bool:

@@ -80,17 +80,29 @@ def rounds_from(tr: Trainer, first: int, n: int = 1) -> Trainer:
     return tr
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_fused_path_equals_plain_path(case, tmp_path):
-    """batching auto (closed-form linear step, fused update) == vmap (autograd, the solver's
-    step) after three rounds: parameters, personal state and the last step sizes."""
-    fused = rounds(trainer(tmp_path, "auto", CASES[case]))
-    plain = rounds(trainer(tmp_path, "vmap", CASES[case]))
+FUSED_CASES = {
+    **CASES,
+    "scaffold, momentum": {"name": "scaffold", "components": 1, "momentum": 0.9, "lr_decay": [0.5]},
+}
+
+
+@pytest.mark.parametrize("cpu_kernels", [True, False])
+@pytest.mark.parametrize("case", list(FUSED_CASES))
+def test_fused_path_equals_plain_path(case, cpu_kernels, tmp_path):
+    """batching auto (closed-form linear step, fused update: the compiled loops, or the
+    torch operations a GPU takes) == vmap (autograd, the solver's step) after three rounds:
+    parameters, personal state, momentum, control variates and the last step sizes."""
+    fused = rounds(trainer(tmp_path, "auto", FUSED_CASES[case], cpu_kernels=cpu_kernels))
+    plain = rounds(trainer(tmp_path, "vmap", FUSED_CASES[case]))
     assert fused.forward.closed_form and not plain.forward.closed_form
     np.testing.assert_allclose(fused.shared_parameters(), plain.shared_parameters(),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
     for k, v in plain.personal.items():
         torch.testing.assert_close(fused.personal[k], v, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.opt_state.momentum, plain.opt_state.momentum,
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    for k, v in plain.client_state.items():
+        torch.testing.assert_close(fused.client_state[k], v, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fused.opt_state.eta, plain.opt_state.eta)
 
 
@@ -1341,14 +1353,20 @@ def test_graphed_e_step_gives_the_eager_e_steps_bits(case, monkeypatch, tmp_path
         "fedem, lr schedule",
         "fedexp (the stack from wider rows)",
         "dsgd, each peer's fedexp rule",
+        "fedem, momentum, decay, lr schedule",
+        "dfedem, momentum (step sizes by peer), lr schedule",
+        "fedprox, lr schedule",
+        "scaffold, momentum, lr schedule",
     ],
 )
 def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp_path):
     """``runtime.cuda_graphs``: the binary linear model's SGD steps and FedEM's E-step as
     graphs, simulated on the CPU in the GPU's dense layout: seven rounds (the step size cut
     tenfold after three; the third and fourth with half the peers, whose trimmed steps run
-    eagerly) give the eager rounds' parameters and mixture weights to the bit, so the steps'
-    graph reads each round's plan, step sizes and responsibilities through its buffers."""
+    eagerly) give the eager rounds' parameters, mixture weights, momentum and SCAFFOLD's
+    control variates to the bit, so the steps' graph reads each round's plan, step sizes,
+    responsibilities, weight decay's and the proximal term's coefficients and corrections
+    through its buffers, the velocity in its place and the anchor as the round starts."""
     import gossip_pfl.train as train
     from gossip_pfl.runtime import data
     from gossip_pfl.runtime.graphs import GraphReplay, _Recorded
@@ -1373,14 +1391,16 @@ def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp
     assert torch.equal(eager.nodes, graphed.nodes)
     for k in eager.personal:
         assert torch.equal(eager.personal[k], graphed.personal[k])
+    assert torch.equal(eager.opt_state.momentum, graphed.opt_state.momentum)
+    assert bool(eager.opt_state.momentum.any()) is bool(algorithm.get("momentum"))
+    for k in eager.client_state:  # (SCAFFOLD's c_i and c)
+        assert torch.equal(eager.client_state[k], graphed.client_state[k])
 
 
-#: the linear model's closed form takes the step graphs where its steps are not plain SGD
-#: (plain ones are the fused linear round, graphed by runtime.cuda_graphs)
-CLOSED_FORM_GRAPH_CASES = ["fedem, momentum, decay, lr schedule", "fedprox, lr schedule",
-                           "dfedem, momentum (step sizes by peer), lr schedule",
-                           "scaffold, momentum, lr schedule", "apfl, momentum",
-                           "pfedme, lr schedule", "fedli_lu, momentum",
+#: the linear model's closed form takes the step graphs where its steps are not the fused
+#: linear round's (SGD with its terms and momentum, graphed by runtime.cuda_graphs): personal
+#: models, kept losses, the line search
+CLOSED_FORM_GRAPH_CASES = ["apfl, momentum", "pfedme, lr schedule", "fedli_lu, momentum",
                            "fedli_ls grow, decay", "fedli_ls max, 3 trials",
                            "fedli_ls, loss by B"]  # fmt: skip
 
@@ -1517,6 +1537,8 @@ ROUND_OPS = {False: 34, True: 25}
     [("dfedem (fused SGD update)", "auto", 6, False),
      ("dfedem (fused SGD update)", "auto", 3, False),
      ("fedem, momentum, decay, lr schedule", "vmap", 3, False),
+     ("fedem, momentum, decay, lr schedule", "auto", 6, False),
+     ("scaffold, momentum, lr schedule", "auto", 3, False),
      ("fedprox, lr schedule", "vmap", 6, False),
      ("fedprox, lr schedule", "auto", 6, False),
      ("scaffold, momentum, lr schedule", "vmap", 3, False),

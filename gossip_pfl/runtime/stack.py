@@ -312,10 +312,10 @@ class BatchedForward:
     def linear_sgd_round(
         self, theta: torch.Tensor, split, batches: tuple, neg_step: np.ndarray,
         q: torch.Tensor | PendingEStep | None, batch_size: int,
-        affine: tuple[np.ndarray, np.ndarray | None] | None = None,
+        affine: tuple[np.ndarray | None, torch.Tensor | None] | None = None,
         personal: PersonalSteps | None = None,
         losses: np.ndarray | None = None,
-        momentum: tuple[np.ndarray, np.ndarray] | None = None,
+        momentum: tuple[torch.Tensor, float, np.ndarray] | None = None,
     ) -> None:  # fmt: skip
         """A round of SGD on the binary linear model's log-loss, in place on theta
         (L, M, P = [W, b]). ``batches``: the round's plan over ``split``, (idx, weight) of
@@ -325,22 +325,20 @@ class BatchedForward:
         :class:`PendingEStep`: worked out in the loop, with :attr:`kernels`); the loss
         divides by ``batch_size``. On a CPU with :attr:`kernels`, a compiled loop per peer
         (:func:`gossip_pfl.runtime.kernels.sgd_round`); else :meth:`_linear_sgd_steps`, on a
-        GPU with ``runtime.cuda_graphs`` replayed as a CUDA graph per shape. ``affine``
-        (kernels only): each step's added terms times -lr, (L, 2) FedProx's proximal term's
-        and weight decay's coefficients and (L, M, P) SCAFFOLD's correction or None (the
-        kernel's ``affine`` and ``shift``); None: plain SGD. ``personal`` (kernels only, ``q``
-        None): each step is pFedMe's or APFL's (:func:`gossip_pfl.runtime.kernels.
-        personal_round`). ``losses`` (L,) float64 (kernels only, not with ``personal``): each
-        peer that steps keeps its last step's objective there (FedLi's). ``momentum``
-        (kernels only): SGD's velocity (L, M, P), updated in place, and (L, 2) each peer's
-        momentum and -lr * factor * scale (the kernel's ``velocity`` and ``heavy``); then
-        ``neg_step`` and ``affine`` are in the gradient's units (``neg_step`` 1 for every
-        peer, the terms' own coefficients)."""
+        GPU with ``runtime.cuda_graphs`` replayed as a CUDA graph per shape. ``affine``:
+        each step's added terms times -lr, (L, 2) FedProx's proximal term's and weight
+        decay's coefficients or None, and (L, M, P) SCAFFOLD's correction on theta's device
+        or None (the kernel's ``affine`` and ``shift``); None: plain SGD. ``momentum``: SGD's
+        velocity (L, M, P) on theta's device, updated in place, the momentum, and (L,) each
+        peer's -lr * factor * scale; then ``neg_step`` and ``affine`` are in the gradient's
+        units (``neg_step`` 1 for every peer, the terms' own coefficients). ``personal``
+        (kernels only, ``q`` None): each step is pFedMe's or APFL's
+        (:func:`gossip_pfl.runtime.kernels.personal_round`). ``losses`` (L,) float64
+        (kernels only, not with ``personal``): each peer that steps keeps its last step's
+        objective there (FedLi's)."""
         idx, weight, *host = batches
-        extra = (affine, personal, losses, momentum)
-        if any(e is not None for e in extra) and not self.kernels:
-            raise RuntimeError("the added terms, momentum, personal steps and losses need the "
-                               "compiled loops")  # fmt: skip
+        if (personal is not None or losses is not None) and not self.kernels:
+            raise RuntimeError("the personal steps and the kept losses need the compiled loops")
         if personal is not None and losses is not None:
             raise RuntimeError("the personal steps keep no losses")
         if personal is not None:
@@ -367,20 +365,31 @@ class BatchedForward:
         uploads = linear_uploads(host, split, neg_step, self._uploads)
         if uploads is None:  # no peer takes a step
             return
-        inputs = (*uploads, *(() if q is None else (q,)))
+        # a graph's inputs (copied in at each replay), by name: the plan, q, the terms
+        named = {"floats": uploads[0], "ints": uploads[1], "q": q,
+                 **self._term_inputs(affine, momentum)}  # fmt: skip
+        names = tuple(k for k, v in named.items() if v is not None)
+        inputs = tuple(named[k] for k in names)
+        velocity = None if momentum is None else momentum[0]
 
-        def steps(floats, ints, q=None, shared_buffer=True) -> None:
-            plan = linear_plan(host.sizes, split, floats, ints, q)
-            self._linear_sgd_steps(theta, split.augmented, plan, shared_buffer)
+        def steps(*tensors, shared_buffer=True) -> None:
+            given = dict(zip(names, tensors))
+            plan = linear_plan(host.sizes, split, given["floats"], given["ints"], given.get("q"))
+            terms = None
+            if affine is not None or momentum is not None:
+                terms = _StepTerms(theta, given, velocity, None if momentum is None else
+                                   momentum[1])  # fmt: skip
+            self._linear_sgd_steps(theta, split.augmented, plan, shared_buffer, terms)
 
         # a graph for the GPU layout's steps (every peer in each: views, no scatter-adds;
         # simulated on a CPU in tests and benchmarks/bench_ops.py --gpu-layout)
         graphed = self.graphs is not None and (theta.is_cuda or self.graphs.simulate)
         if graphed and min(host.sizes) == len(theta):
             split.device_offsets, split.neg_labels  # noqa: B018 - made before, not in, a graph
-            key = (tuple(host.sizes), tuple(t.shape for t in inputs))
+            key = (tuple(host.sizes), names, tuple(t.shape for t in inputs))
+            places = (theta, split.augmented, *(() if velocity is None else (velocity,)))
             self.graphs(key, partial(steps, shared_buffer=False), *inputs,
-                        places=(theta, split.augmented))  # fmt: skip
+                        places=places)  # fmt: skip
         else:
             steps(*inputs)
 
@@ -436,9 +445,24 @@ class BatchedForward:
         k = self._kernels
         k.run(getattr(k, name), torch.get_num_threads(), split.host_counts, *args)
 
+    def _term_inputs(self, affine, momentum) -> dict:
+        """The device tensors of a fused torch round's added terms (:class:`_StepTerms`),
+        by name; a term whose coefficients are all 0 is left out."""
+        coef, shift = affine if affine is not None else (None, None)
+        out = {}
+        if coef is not None:
+            for k, name in enumerate(("prox", "decay")):
+                if coef[:, k].any():
+                    out[name] = self._uploads(name, np.ascontiguousarray(coef[:, k]))
+        out["shift"] = shift
+        if momentum is not None:
+            out["neg_lr"] = self._uploads("neg_lr", momentum[2])
+        return out
+
     def _linear_sgd_steps(
-        self, theta: torch.Tensor, inputs: torch.Tensor, plan, shared_buffer: bool = True
-    ) -> None:
+        self, theta: torch.Tensor, inputs: torch.Tensor, plan, shared_buffer: bool = True,
+        terms: _StepTerms | None = None,
+    ) -> None:  # fmt: skip
         """The torch form of :meth:`linear_sgd_round`, for a
         :class:`gossip_pfl.runtime.data.LinearRound` plan over ``inputs`` (the split's
         :attr:`augmented` samples, a ones column last). A step is six
@@ -476,7 +500,9 @@ class BatchedForward:
             th_t = theta_t if rows is None else theta.index_select(0, rows).mT
             r = torch.bmm(x, th_t).sigmoid_()  # (A, B, M)
             r = torch.addcmul(ycoef, r, coef).mT  # (A, M, B)
-            if rows is None:
+            if terms is not None:  # (momentum, FedProx's, weight decay, SCAFFOLD's)
+                terms.add(theta, rows, torch.bmm(r, x))
+            elif rows is None:
                 theta.baddbmm_(r, x)
             else:
                 theta.index_add_(0, rows, torch.bmm(r, x))
@@ -565,16 +591,60 @@ def _q_arg(q: torch.Tensor | None) -> np.ndarray:
 
 
 def _affine_args(
-    affine: tuple[np.ndarray | None, np.ndarray | None] | None,
+    affine: tuple[np.ndarray | None, torch.Tensor | None] | None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The compiled round's ``affine`` and ``shift`` (empty: none)."""
     coef, shift = affine if affine is not None else (None, None)
     coef = np.zeros((0, 2), np.float32) if coef is None else coef
-    return coef, np.zeros((0, 0, 0), np.float32) if shift is None else shift
+    shift = np.zeros((0, 0, 0), np.float32) if shift is None else shift.contiguous().numpy()
+    return coef, shift
 
 
-def _momentum_args(momentum: tuple[np.ndarray, np.ndarray] | None) -> tuple:
+def _momentum_args(momentum: tuple[torch.Tensor, float, np.ndarray] | None) -> tuple:
     """The compiled round's ``velocity`` and ``heavy`` (empty: no momentum)."""
     if momentum is None:
         return np.zeros((0, 0, 0), np.float32), np.zeros((0, 2), np.float32)
-    return momentum
+    velocity, mu, neg = momentum
+    return velocity.numpy(), np.stack([np.full_like(neg, mu), neg], axis=1)
+
+
+class _StepTerms:
+    """The terms a fused round's torch steps add to the loss's part (:meth:`BatchedForward.
+    _linear_sgd_steps`), on theta's device: FedProx's proximal term and weight decay (each
+    peer's coefficient, times -lr without momentum), SCAFFOLD's correction, and momentum
+    (the velocity, updated in place, and each peer's -lr), as :class:`gossip_pfl.runtime.
+    solver.LocalSGD` takes them, up to float rounding. ``given``: the round's tensors by
+    name (``prox``, ``decay``, ``shift``, ``neg_lr``); the proximal term's anchor is theta
+    as this call finds it (the round's start)."""
+
+    def __init__(self, theta: torch.Tensor, given: dict, velocity, mu) -> None:
+        self.prox, self.decay = given.get("prox"), given.get("decay")
+        self.shift, self.neg_lr = given.get("shift"), given.get("neg_lr")
+        self.start = theta.clone() if self.prox is not None else None
+        self.velocity, self.mu = velocity, mu
+
+    def add(self, theta: torch.Tensor, rows: torch.Tensor | None, g: torch.Tensor) -> None:
+        """theta[rows] (None: every peer) takes its step, ``g`` (A, M, P) the loss's part
+        of it (times -lr, or with momentum the gradient), overwritten."""
+        if rows is None:
+            take, th = (lambda t: t), theta
+        else:
+            take = lambda t: t.index_select(0, rows)  # noqa: E731
+            th = take(theta)
+        d = g
+        if self.prox is not None:
+            d.addcmul_(th - take(self.start), take(self.prox)[:, None, None])
+        if self.decay is not None:
+            d.addcmul_(th, take(self.decay)[:, None, None])
+        if self.shift is not None:
+            d.add_(take(self.shift))
+        if self.velocity is not None:  # v = momentum v + d; theta += -lr v
+            v = take(self.velocity)
+            v.mul_(self.mu).add_(d)
+            if rows is not None:
+                self.velocity.index_copy_(0, rows, v)
+            d = torch.mul(v, take(self.neg_lr)[:, None, None], out=d)
+        if rows is None:
+            theta.add_(d)
+        else:
+            theta.index_add_(0, rows, d)
