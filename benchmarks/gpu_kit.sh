@@ -137,6 +137,16 @@ bench() {
             > /tmp/ls.log 2>&1 && grep -E "wall_s|test_acc|graph" /tmp/ls.log \
             || { echo "failed:"; tail -5 /tmp/ls.log; exit 1; }
     done'
+    # D-FedEM with momentum: the fused round's terms (untimed before) against the $BASE tree's
+    # solver steps, alternating, wall time and accuracy
+    stage momentum 45 bash -c 'here=$PWD; for tree in new base new base; do
+        dir=$here; [ "$tree" = base ] && dir=$here/.gpu_kit/base; echo "$tree:"
+        (cd "$dir" && PYTHONPATH=$dir:$PYTHONPATH $PY -m gossip_pfl run \
+            configs/synthetic/dfedem.yaml --no-plots --overwrite --set runtime.device=$DEV \
+            --set algorithm.momentum=0.9 --out /tmp/momentum_run) > /tmp/momentum.log 2>&1 \
+            && grep -E "wall_s|test_acc" /tmp/momentum.log \
+            || { echo "failed:"; tail -5 /tmp/momentum.log; exit 1; }
+    done'
     # each operation's first call in a fresh process (a fresh run's one-time costs), then
     # a round's phases and profile, without the CUDA graphs and with them
     stage profile "$3" bash -c '$PY benchmarks/gpu_first_use.py; first=$?
@@ -203,7 +213,7 @@ case "${1:-}" in
         exit 2
         ;;
 esac
-# the device tool brings back at most 8 files from $OUT (`all` writes 12): past that, the
+# the device tool brings back at most 8 files from $OUT (`all` writes 13): past that, the
 # checks' logs go back as one archive (a call stopped before this point leaves them as they are)
 case "${1:-}" in
     test | bench | all | cnn)
