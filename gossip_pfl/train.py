@@ -528,12 +528,16 @@ class Trainer(RoundLoop):
             with np.errstate(over="ignore"):  # an lr past float32: the finite check names it
                 neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_host
             heavy = None
-            if self.solver.momentum:  # the direction in the gradient's units, -lr with the
-                heavy = (opt_state.momentum, self.solver.momentum, neg)  # velocity
+            # the steps in the gradient's units, each peer's -lr applied after: momentum (its
+            # velocity in those units) and, in torch operations, FedLi-LU's kept losses (the
+            # plan's own weights)
+            if self.solver.momentum or (self.track_loss and not self.forward.kernels):
+                velocity = opt_state.momentum if self.solver.momentum else None
+                heavy = (velocity, self.solver.momentum, neg)
                 neg = np.ones_like(neg)
             qe = q if q is None or isinstance(q, PendingEStep) else q.expand(L, self.M, -1)
             terms = self._affine_terms(neg) if affine else None
-            losses = self.last_loss.numpy() if self.track_loss else None  # (in place)
+            losses = self.last_loss if self.track_loss else None  # (in place)
             self.forward.linear_sgd_round(theta, self.train, (idx, weight, *host), neg, qe,
                                           a.batch_size, terms, steps_of, losses,
                                           heavy)  # fmt: skip
@@ -810,13 +814,11 @@ class Trainer(RoundLoop):
         return plain and not self.line_search
 
     def _affine_sgd(self) -> bool:
-        """SGD whose step takes momentum or adds terms linear in the parameters (FedProx's
-        proximal term, weight decay, SCAFFOLD's correction), no line search: the round's
-        steps are fused as plain SGD's are (:meth:`BatchedForward.linear_sgd_round`, with
-        the compiled CPU loops one call; keeping FedLi-LU's losses there only)."""
-        solver = self.solver
-        return (type(solver) is LocalSGD and not self.line_search
-                and (self.forward.kernels or not self.track_loss))  # fmt: skip
+        """SGD whose step takes momentum, adds terms linear in the parameters (FedProx's
+        proximal term, weight decay, SCAFFOLD's correction) or keeps its loss for the rule
+        (FedLi-LU), no line search: the round's steps are fused as plain SGD's are
+        (:meth:`BatchedForward.linear_sgd_round`; with the compiled CPU loops one call)."""
+        return type(self.solver) is LocalSGD and not self.line_search
 
     def _affine_terms(self, neg: np.ndarray) -> tuple[np.ndarray | None, torch.Tensor | None]:
         """The fused round's added terms times each peer's -lr (``neg``, (L,) float32; 1

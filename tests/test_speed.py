@@ -83,17 +83,30 @@ def rounds_from(tr: Trainer, first: int, n: int = 1) -> Trainer:
 FUSED_CASES = {
     **CASES,
     "scaffold, momentum": {"name": "scaffold", "components": 1, "momentum": 0.9, "lr_decay": [0.5]},
-}
+    "fedem, fedli_lu rule, momentum, decay": {"name": "fedem", "components": 2, "momentum": 0.9,
+                                              "weight_decay": 0.05, "rule": {"name": "fedli_lu"}},
+    "fedli_lu, loss by B": {"name": "fedli_lu", "components": 1, "loss_divisor": "batch_size"},
+}  # fmt: skip
 
 
-@pytest.mark.parametrize("cpu_kernels", [True, False])
+@pytest.mark.parametrize("form", ["compiled", "torch", "torch, dense"])
 @pytest.mark.parametrize("case", list(FUSED_CASES))
-def test_fused_path_equals_plain_path(case, cpu_kernels, tmp_path):
+def test_fused_path_equals_plain_path(case, form, monkeypatch, tmp_path):
     """batching auto (closed-form linear step, fused update: the compiled loops, or the
-    torch operations a GPU takes) == vmap (autograd, the solver's step) after three rounds:
-    parameters, personal state, momentum, control variates and the last step sizes."""
-    fused = rounds(trainer(tmp_path, "auto", FUSED_CASES[case], cpu_kernels=cpu_kernels))
-    plain = rounds(trainer(tmp_path, "vmap", FUSED_CASES[case]))
+    torch operations, also in a GPU's dense layout, where every step holds every peer and
+    those past their epoch must be left as they are) == vmap (autograd, the solver's step)
+    after three rounds of peers of unequal sizes: parameters, personal state, momentum,
+    control variates, FedLi-LU's kept losses and the last step sizes."""
+    import gossip_pfl.train as train
+    from gossip_pfl.runtime import data
+
+    sizes = [40, 85, 20, 59, 33, 59]  # (2 to 6 steps an epoch)
+    plain = rounds(trainer(tmp_path / "plain", "vmap", FUSED_CASES[case], sizes=sizes))
+    if form == "torch, dense":
+        monkeypatch.setattr(data, "dense_layout", lambda device: True)
+        monkeypatch.setattr(train, "dense_layout", lambda device: True)
+    fused = rounds(trainer(tmp_path, "auto", FUSED_CASES[case], sizes=sizes,
+                           cpu_kernels=form == "compiled"))  # fmt: skip
     assert fused.forward.closed_form and not plain.forward.closed_form
     np.testing.assert_allclose(fused.shared_parameters(), plain.shared_parameters(),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
@@ -103,6 +116,8 @@ def test_fused_path_equals_plain_path(case, cpu_kernels, tmp_path):
                                rtol=1e-5, atol=1e-6)  # fmt: skip
     for k, v in plain.client_state.items():
         torch.testing.assert_close(fused.client_state[k], v, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.last_loss, plain.last_loss, rtol=1e-5, atol=1e-7)
+    assert bool((fused.last_loss > 0).all()) is (fused.track_loss or fused.line_search)
     torch.testing.assert_close(fused.opt_state.eta, plain.opt_state.eta)
 
 
@@ -1357,6 +1372,7 @@ def test_graphed_e_step_gives_the_eager_e_steps_bits(case, monkeypatch, tmp_path
         "dfedem, momentum (step sizes by peer), lr schedule",
         "fedprox, lr schedule",
         "scaffold, momentum, lr schedule",
+        "fedli_lu, momentum",
     ],
 )
 def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp_path):
@@ -1395,14 +1411,14 @@ def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp
     assert bool(eager.opt_state.momentum.any()) is bool(algorithm.get("momentum"))
     for k in eager.client_state:  # (SCAFFOLD's c_i and c)
         assert torch.equal(eager.client_state[k], graphed.client_state[k])
+    assert torch.equal(eager.last_loss, graphed.last_loss)  # (FedLi-LU's)
 
 
 #: the linear model's closed form takes the step graphs where its steps are not the fused
-#: linear round's (SGD with its terms and momentum, graphed by runtime.cuda_graphs): personal
-#: models, kept losses, the line search
-CLOSED_FORM_GRAPH_CASES = ["apfl, momentum", "pfedme, lr schedule", "fedli_lu, momentum",
-                           "fedli_ls grow, decay", "fedli_ls max, 3 trials",
-                           "fedli_ls, loss by B"]  # fmt: skip
+#: linear round's (SGD with its terms, momentum and kept losses, graphed by
+#: runtime.cuda_graphs): personal models, the line search
+CLOSED_FORM_GRAPH_CASES = ["apfl, momentum", "pfedme, lr schedule", "fedli_ls grow, decay",
+                           "fedli_ls max, 3 trials", "fedli_ls, loss by B"]  # fmt: skip
 
 
 @pytest.mark.parametrize("forms", [(), ("cpu",)])

@@ -374,6 +374,8 @@ class LinearRound:
     pos: tuple
     coef: tuple
     ycoef: tuple
+    neg_y: tuple = ()  # (A, B) -y, and the weights w / B (A, B): with ``keep``, for the
+    weight: tuple = ()  # step's objective (FedLi-LU's)
 
 
 @dataclass
@@ -514,12 +516,13 @@ def linear_uploads(
 
 def linear_plan(
     sizes: list, split: PaddedSplit, floats: torch.Tensor, ints: torch.Tensor,
-    q: torch.Tensor | None,
+    q: torch.Tensor | None, keep: bool = False,
 ) -> LinearRound:  # fmt: skip
     """A :class:`LinearRound` from :func:`linear_uploads`' tensors, in device operations only
     (so a CUDA graph can hold them): the samples' positions in :attr:`PaddedSplit.augmented`,
     and with ``q`` (L, M, N) (the responsibilities; None: weight 1) each sample's share of
-    every component."""
+    every component; with ``keep`` also each step's -y and weights (unscaled: ``floats``
+    then hold w / B), from which a step's objective is worked out."""
     L, n_max = split.y.shape
     A, B = floats.shape
     rows, ix = ints.long().split([A, A * B])  # (uploaded as int32: half the bytes)
@@ -535,8 +538,9 @@ def linear_plan(
     neg_y = split.neg_labels.take(rows[:, None] * n_max + ix)  # (sum A, B)
     ycoef = neg_y[:, :, None] * coef
     row_list = [None if a == L else r for a, r in zip(sizes, rows.split(sizes))]
+    kept = (neg_y.split(sizes), floats.split(sizes)) if keep else ((), ())
     return LinearRound(row_list, pos.split([a * B for a in sizes]), coef.split(sizes),
-                       ycoef.split(sizes))  # fmt: skip
+                       ycoef.split(sizes), *kept)  # fmt: skip
 
 
 def round_batches(

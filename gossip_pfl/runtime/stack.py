@@ -315,7 +315,7 @@ class BatchedForward:
         affine: tuple[np.ndarray | None, torch.Tensor | None] | None = None,
         personal: PersonalSteps | None = None,
         losses: np.ndarray | None = None,
-        momentum: tuple[torch.Tensor, float, np.ndarray] | None = None,
+        momentum: tuple[torch.Tensor | None, float, np.ndarray] | None = None,
     ) -> None:  # fmt: skip
         """A round of SGD on the binary linear model's log-loss, in place on theta
         (L, M, P = [W, b]). ``batches``: the round's plan over ``split``, (idx, weight) of
@@ -329,16 +329,20 @@ class BatchedForward:
         each step's added terms times -lr, (L, 2) FedProx's proximal term's and weight
         decay's coefficients or None, and (L, M, P) SCAFFOLD's correction on theta's device
         or None (the kernel's ``affine`` and ``shift``); None: plain SGD. ``momentum``: SGD's
-        velocity (L, M, P) on theta's device, updated in place, the momentum, and (L,) each
-        peer's -lr * factor * scale; then ``neg_step`` and ``affine`` are in the gradient's
-        units (``neg_step`` 1 for every peer, the terms' own coefficients). ``personal``
+        velocity (L, M, P) on theta's device, updated in place (None: no momentum, the torch
+        operations' kept losses), the momentum, and (L,) each peer's -lr * factor * scale;
+        then ``neg_step`` and ``affine`` are in the gradient's units (``neg_step`` 1 for
+        every peer, the terms' own coefficients), and -lr is applied after. ``personal``
         (kernels only, ``q`` None): each step is pFedMe's or APFL's
-        (:func:`gossip_pfl.runtime.kernels.personal_round`). ``losses`` (L,) float64
-        (kernels only, not with ``personal``): each peer that steps keeps its last step's
-        objective there (FedLi's)."""
+        (:func:`gossip_pfl.runtime.kernels.personal_round`). ``losses`` (L,) float64 (not
+        with ``personal``; in torch operations with ``momentum``): each peer that steps
+        keeps its last step's objective there, sum_b w_b q_bm log-loss(z_bm) / max(sum_b w_b,
+        1) at the step's starting theta (FedLi's)."""
         idx, weight, *host = batches
-        if (personal is not None or losses is not None) and not self.kernels:
-            raise RuntimeError("the personal steps and the kept losses need the compiled loops")
+        if personal is not None and not self.kernels:
+            raise RuntimeError("the personal steps need the compiled loops")
+        if losses is not None and not self.kernels and momentum is None:
+            raise RuntimeError("the torch operations keep losses in the gradient's units")
         if personal is not None and losses is not None:
             raise RuntimeError("the personal steps keep no losses")
         if personal is not None:
@@ -354,7 +358,7 @@ class BatchedForward:
             self._compiled("sgd_round", split, theta.numpy(), *self._plan_args(split, idx, weight),
                            neg_step * np.float32(1.0 / batch_size), _q_arg(q), pi, eps, new_pi,
                            *_affine_args(affine),
-                           np.zeros(0) if losses is None else losses,
+                           np.zeros(0) if losses is None else losses.numpy(),
                            *_momentum_args(momentum))  # fmt: skip
             return
         if isinstance(q, PendingEStep):
@@ -371,14 +375,15 @@ class BatchedForward:
         names = tuple(k for k, v in named.items() if v is not None)
         inputs = tuple(named[k] for k in names)
         velocity = None if momentum is None else momentum[0]
+        mu = None if momentum is None else momentum[1]
 
         def steps(*tensors, shared_buffer=True) -> None:
             given = dict(zip(names, tensors))
-            plan = linear_plan(host.sizes, split, given["floats"], given["ints"], given.get("q"))
             terms = None
             if affine is not None or momentum is not None:
-                terms = _StepTerms(theta, given, velocity, None if momentum is None else
-                                   momentum[1])  # fmt: skip
+                terms = _StepTerms(theta, given, velocity, mu, losses, batch_size)
+            plan = linear_plan(host.sizes, split, given["floats"], given["ints"], given.get("q"),
+                               keep=terms is not None)  # fmt: skip
             self._linear_sgd_steps(theta, split.augmented, plan, shared_buffer, terms)
 
         # a graph for the GPU layout's steps (every peer in each: views, no scatter-adds;
@@ -387,7 +392,8 @@ class BatchedForward:
         if graphed and min(host.sizes) == len(theta):
             split.device_offsets, split.neg_labels  # noqa: B018 - made before, not in, a graph
             key = (tuple(host.sizes), names, tuple(t.shape for t in inputs))
-            places = (theta, split.augmented, *(() if velocity is None else (velocity,)))
+            places = (theta, split.augmented,
+                      *(t for t in (velocity, losses) if t is not None))  # fmt: skip
             self.graphs(key, partial(steps, shared_buffer=False), *inputs,
                         places=places)  # fmt: skip
         else:
@@ -488,7 +494,9 @@ class BatchedForward:
         else:
             buf, views = inputs.new_empty(need), {}
         theta_t = theta.mT  # (L, P, M)
-        for rows, pos, coef, ycoef in zip(plan.rows, plan.pos, plan.coef, plan.ycoef):
+        for k, (rows, pos, coef, ycoef) in enumerate(
+            zip(plan.rows, plan.pos, plan.coef, plan.ycoef)
+        ):
             shape = coef.shape[:2]  # (A, B)
             if shape not in views:
                 flat = buf[: pos.numel() * width].view(pos.numel(), width)
@@ -498,11 +506,18 @@ class BatchedForward:
             # (A, M, P) rows, then the view: bmm is 3.5x faster on it than on the contiguous
             # (A, P, M) that index_select makes of theta_t
             th_t = theta_t if rows is None else theta.index_select(0, rows).mT
+            if terms is not None:  # (momentum, FedProx's, weight decay, SCAFFOLD's, FedLi's)
+                z = torch.bmm(x, th_t)  # (A, B, M) the logits
+
+                def loss_part(z=z, x=x, coef=coef, ycoef=ycoef) -> torch.Tensor:
+                    r = torch.addcmul(ycoef, z.sigmoid_(), coef).mT  # (A, M, B)
+                    return torch.bmm(r, x)
+
+                terms.step(theta, rows, z, loss_part, plan, k)
+                continue
             r = torch.bmm(x, th_t).sigmoid_()  # (A, B, M)
             r = torch.addcmul(ycoef, r, coef).mT  # (A, M, B)
-            if terms is not None:  # (momentum, FedProx's, weight decay, SCAFFOLD's)
-                terms.add(theta, rows, torch.bmm(r, x))
-            elif rows is None:
+            if rows is None:
                 theta.baddbmm_(r, x)
             else:
                 theta.index_add_(0, rows, torch.bmm(r, x))
@@ -605,6 +620,8 @@ def _momentum_args(momentum: tuple[torch.Tensor, float, np.ndarray] | None) -> t
     if momentum is None:
         return np.zeros((0, 0, 0), np.float32), np.zeros((0, 2), np.float32)
     velocity, mu, neg = momentum
+    if velocity is None:  # (the kernels keep losses at -lr's weights)
+        raise RuntimeError("the compiled loops take the gradient's units with momentum only")
     return velocity.numpy(), np.stack([np.full_like(neg, mu), neg], axis=1)
 
 
@@ -613,19 +630,48 @@ class _StepTerms:
     _linear_sgd_steps`), on theta's device: FedProx's proximal term and weight decay (each
     peer's coefficient, times -lr without momentum), SCAFFOLD's correction, and momentum
     (the velocity, updated in place, and each peer's -lr), as :class:`gossip_pfl.runtime.
-    solver.LocalSGD` takes them, up to float rounding. ``given``: the round's tensors by
-    name (``prox``, ``decay``, ``shift``, ``neg_lr``); the proximal term's anchor is theta
-    as this call finds it (the round's start)."""
+    solver.LocalSGD` takes them, up to float rounding; and FedLi-LU's kept losses
+    (``losses`` (L,) float64, written in place). ``given``: the round's tensors by name
+    (``prox``, ``decay``, ``shift``, ``neg_lr``: with it a step is in the gradient's units,
+    -lr applied last); the proximal term's anchor is theta as this call finds it (the round's
+    start). A step of every peer (``rows`` None: a GPU's dense layout holds those past their
+    epoch too, with weight 0) leaves the peers without a sample in it as they are, velocity
+    and kept loss included, as the solver does."""
 
-    def __init__(self, theta: torch.Tensor, given: dict, velocity, mu) -> None:
+    def __init__(
+        self, theta: torch.Tensor, given: dict, velocity, mu, losses=None, batch_size: int = 1
+    ) -> None:  # fmt: skip
         self.prox, self.decay = given.get("prox"), given.get("decay")
         self.shift, self.neg_lr = given.get("shift"), given.get("neg_lr")
         self.start = theta.clone() if self.prox is not None else None
-        self.velocity, self.mu = velocity, mu
+        self.velocity, self.mu, self.losses = velocity, mu, losses
+        self.inv_b = 1.0 / batch_size
 
-    def add(self, theta: torch.Tensor, rows: torch.Tensor | None, g: torch.Tensor) -> None:
-        """theta[rows] (None: every peer) takes its step, ``g`` (A, M, P) the loss's part
-        of it (times -lr, or with momentum the gradient), overwritten."""
+    def step(self, theta: torch.Tensor, rows, z: torch.Tensor, g, plan, k: int) -> None:
+        """Step ``k`` of ``plan`` on theta[rows] (None: every peer): ``z`` (A, B, M) the
+        logits at its start, ``g()`` the loss's part of the step (A, M, P)."""
+        # (a step of some peers holds only those with samples in it)
+        active = None if rows is not None else plan.weight[k].ne(0).any(1)
+        if self.losses is not None:
+            self._keep_loss(rows, z, plan.neg_y[k], plan.coef[k], plan.weight[k], active)
+        self._add(theta, rows, g(), active)
+
+    def _keep_loss(self, rows, z, neg_y, coef, weight, active) -> None:
+        """The step's objective into ``losses[rows]``: z (A, B, M) the logits at the step's
+        start, ``neg_y`` (A, B) -y, ``coef`` (A, B, M | 1) q w / B, ``weight`` (A, B) w / B
+        (B the nominal batch size)."""
+        log_loss = F.softplus(z).addcmul_(neg_y[:, :, None], z)  # log(1 + e^z) - y z
+        mean = (coef * log_loss).sum((1, 2)) / weight.sum(1).clamp_min(self.inv_b)
+        mean = mean.to(self.losses.dtype)
+        if rows is not None:
+            self.losses.index_copy_(0, rows, mean)
+        else:
+            self.losses.copy_(torch.where(active, mean, self.losses))
+
+    def _add(self, theta: torch.Tensor, rows, g: torch.Tensor, active) -> None:
+        """theta[rows] takes its step, ``g`` (A, M, P) the loss's part of it (times -lr, or
+        in the gradient's units), overwritten; ``active`` (A,): the peers that step (None:
+        all)."""
         if rows is None:
             take, th = (lambda t: t), theta
         else:
@@ -638,12 +684,20 @@ class _StepTerms:
             d.addcmul_(th, take(self.decay)[:, None, None])
         if self.shift is not None:
             d.add_(take(self.shift))
+        on = None if active is None else active[:, None, None]
         if self.velocity is not None:  # v = momentum v + d; theta += -lr v
             v = take(self.velocity)
-            v.mul_(self.mu).add_(d)
+            if on is None:
+                v.mul_(self.mu).add_(d)
+            else:  # (the others' velocity as it is)
+                v.copy_(torch.where(on, v * self.mu + d, v))
             if rows is not None:
                 self.velocity.index_copy_(0, rows, v)
             d = torch.mul(v, take(self.neg_lr)[:, None, None], out=d)
+        elif self.neg_lr is not None:
+            d.mul_(take(self.neg_lr)[:, None, None])
+        if on is not None:
+            d = torch.where(on, d, 0.0)
         if rows is None:
             theta.add_(d)
         else:
