@@ -139,14 +139,14 @@ bench() {
     done'
     # D-FedEM with momentum: the fused round's terms (untimed before) against the $BASE tree's
     # solver steps, alternating, wall time and accuracy
-    stage momentum 45 bash -c 'here=$PWD; for tree in new base new base; do
+    stage momentum 60 bash -c 'here=$PWD; failed=0; for tree in new base new base; do
         dir=$here; [ "$tree" = base ] && dir=$here/.gpu_kit/base; echo "$tree:"
         (cd "$dir" && PYTHONPATH=$dir:$PYTHONPATH $PY -m gossip_pfl run \
             configs/synthetic/dfedem.yaml --no-plots --overwrite --set runtime.device=$DEV \
             --set algorithm.momentum=0.9 --out /tmp/momentum_run) > /tmp/momentum.log 2>&1 \
             && grep -E "wall_s|test_acc" /tmp/momentum.log \
-            || { echo "failed:"; tail -5 /tmp/momentum.log; exit 1; }
-    done'
+            || { failed=1; echo "failed:"; tail -5 /tmp/momentum.log; }
+    done; exit $failed'
     # each operation's first call in a fresh process (a fresh run's one-time costs), then
     # a round's phases and profile, without the CUDA graphs and with them
     stage profile "$3" bash -c '$PY benchmarks/gpu_first_use.py; first=$?

@@ -105,9 +105,16 @@ def test_fused_path_equals_plain_path(case, form, monkeypatch, tmp_path):
     if form == "torch, dense":
         monkeypatch.setattr(data, "dense_layout", lambda device: True)
         monkeypatch.setattr(train, "dense_layout", lambda device: True)
+    calls = []  # (the fused round ran, each round, not the solver's steps)
+    for name in ("linear_sgd_round", "linear_armijo_round"):
+        real = getattr(BatchedForward, name)
+        monkeypatch.setattr(BatchedForward, name, lambda self, *a, real=real: (
+            calls.append(self.kernels) or real(self, *a)))  # fmt: skip
     fused = rounds(trainer(tmp_path, "auto", FUSED_CASES[case], sizes=sizes,
                            cpu_kernels=form == "compiled"))  # fmt: skip
     assert fused.forward.closed_form and not plain.forward.closed_form
+    # (the torch forms' line search: the solver's steps)
+    assert calls == ([] if fused.line_search and form != "compiled" else [form == "compiled"] * 3)
     np.testing.assert_allclose(fused.shared_parameters(), plain.shared_parameters(),
                                rtol=1e-5, atol=1e-6)  # fmt: skip
     for k, v in plain.personal.items():

@@ -521,8 +521,9 @@ def linear_plan(
     """A :class:`LinearRound` from :func:`linear_uploads`' tensors, in device operations only
     (so a CUDA graph can hold them): the samples' positions in :attr:`PaddedSplit.augmented`,
     and with ``q`` (L, M, N) (the responsibilities; None: weight 1) each sample's share of
-    every component; with ``keep`` also each step's -y and weights (unscaled: ``floats``
-    then hold w / B), from which a step's objective is worked out."""
+    every component; with ``keep`` also each step's -y and ``floats`` (w / B in the
+    gradient's units, from which a step's objective is worked out; else -lr w / B, whose
+    zeros still say which peers a step of every peer leaves out)."""
     L, n_max = split.y.shape
     A, B = floats.shape
     rows, ix = ints.long().split([A, A * B])  # (uploaded as int32: half the bytes)

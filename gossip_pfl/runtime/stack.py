@@ -314,7 +314,7 @@ class BatchedForward:
         q: torch.Tensor | PendingEStep | None, batch_size: int,
         affine: tuple[np.ndarray | None, torch.Tensor | None] | None = None,
         personal: PersonalSteps | None = None,
-        losses: np.ndarray | None = None,
+        losses: torch.Tensor | None = None,
         momentum: tuple[torch.Tensor | None, float, np.ndarray] | None = None,
     ) -> None:  # fmt: skip
         """A round of SGD on the binary linear model's log-loss, in place on theta
