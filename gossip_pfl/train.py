@@ -506,7 +506,7 @@ class Trainer(RoundLoop):
         affine = not plain and self._affine_sgd()  # (the fused round adds its terms)
         # pFedMe's and APFL's steps with the compiled loops
         steps_of = None
-        if (plain or affine) and self._personal_compiled():
+        if (plain or affine) and self._personal_fused():
             steps_of = self.surrogate.compiled_steps(personal)
         fused = (plain or affine) and (self._fused_linear() or steps_of is not None)  # one call
         # the torch operations' host side of the fused step, drawn with the plan
@@ -530,8 +530,9 @@ class Trainer(RoundLoop):
             heavy = None
             # the steps in the gradient's units, each peer's -lr applied after: momentum (its
             # velocity in those units) and, in torch operations, FedLi-LU's kept losses (the
-            # plan's own weights)
-            if self.solver.momentum or (self.track_loss and not self.forward.kernels):
+            # plan's own weights) and pFedMe's and APFL's steps
+            torch_units = self.track_loss or steps_of is not None
+            if self.solver.momentum or (torch_units and not self.forward.kernels):
                 velocity = opt_state.momentum if self.solver.momentum else None
                 heavy = (velocity, self.solver.momentum, neg)
                 neg = np.ones_like(neg)
@@ -867,11 +868,16 @@ class Trainer(RoundLoop):
         return (self.forward.closed_form and self.task == "binary"
                 and hasattr(self.surrogate, "compiled_steps"))  # fmt: skip
 
+    def _personal_fused(self) -> bool:
+        """pFedMe's or APFL's round is fused (:meth:`BatchedForward.linear_sgd_round`; with
+        the compiled CPU loops one call, :func:`gossip_pfl.runtime.kernels.personal_round`),
+        where no rule reads the loss (the fused round keeps none for them; a line search's
+        rule is refused for them)."""
+        return self._personal_linear() and not self.track_loss
+
     def _personal_compiled(self) -> bool:
-        """pFedMe's or APFL's round is one compiled call (:func:`gossip_pfl.runtime.kernels.
-        personal_round`): with the compiled CPU loops, where no rule reads the loss (the loop
-        keeps none; a line search's rule is refused for them)."""
-        return self.forward.kernels and self._personal_linear() and not self.track_loss
+        """:meth:`_personal_fused` with the compiled CPU loops (their loop is loaded)."""
+        return self.forward.kernels and self._personal_fused()
 
     @property
     def _lr_scale_host(self) -> np.ndarray:

@@ -86,6 +86,11 @@ FUSED_CASES = {
     "fedem, fedli_lu rule, momentum, decay": {"name": "fedem", "components": 2, "momentum": 0.9,
                                               "weight_decay": 0.05, "rule": {"name": "fedli_lu"}},
     "fedli_lu, loss by B": {"name": "fedli_lu", "components": 1, "loss_divisor": "batch_size"},
+    "pfedme, momentum": {"name": "pfedme", "components": 1, "mu": 15.0, "inner_steps": 3,
+                         "personal_lr": 0.02, "momentum": 0.5},
+    "apfl, decay": {"name": "apfl", "components": 1, "alpha": 0.25, "alpha_lr": 0.05,
+                    "weight_decay": 0.05},
+    "apfl clamped": {"name": "apfl", "components": 1, "alpha": 0.98, "alpha_lr": 5.0},
 }  # fmt: skip
 
 
@@ -96,7 +101,8 @@ def test_fused_path_equals_plain_path(case, form, monkeypatch, tmp_path):
     torch operations, also in a GPU's dense layout, where every step holds every peer and
     those past their epoch must be left as they are) == vmap (autograd, the solver's step)
     after three rounds of peers of unequal sizes: parameters, personal state, momentum,
-    control variates, FedLi-LU's kept losses and the last step sizes."""
+    control variates, FedLi-LU's kept losses, pFedMe's and APFL's personal models (APFL's
+    weights driven to their bounds too) and the last step sizes."""
     import gossip_pfl.train as train
     from gossip_pfl.runtime import data
 
@@ -1380,6 +1386,8 @@ def test_graphed_e_step_gives_the_eager_e_steps_bits(case, monkeypatch, tmp_path
         "fedprox, lr schedule",
         "scaffold, momentum, lr schedule",
         "fedli_lu, momentum",
+        "apfl, momentum",
+        "pfedme, lam 5, lr schedule",
     ],
 )
 def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp_path):
@@ -1395,6 +1403,9 @@ def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp
     from gossip_pfl.runtime.graphs import GraphReplay, _Recorded
 
     algorithm = {"fedem, lr schedule": {"name": "fedem", "components": 3, "lr_decay": [0.4]},
+                 # (lam x lr 1: the seven rounds stay finite)
+                 "pfedme, lam 5, lr schedule": {"name": "pfedme", "components": 1, "mu": 5.0,
+                                                "inner_steps": 3, "lr_decay": [0.4]},
                  **GRAPH_CASES}[case]  # fmt: skip
     monkeypatch.setattr(data, "dense_layout", lambda device: True)
     monkeypatch.setattr(train, "dense_layout", lambda device: True)
@@ -1422,10 +1433,10 @@ def test_graphed_linear_round_gives_the_eager_rounds_bits(case, monkeypatch, tmp
 
 
 #: the linear model's closed form takes the step graphs where its steps are not the fused
-#: linear round's (SGD with its terms, momentum and kept losses, graphed by
-#: runtime.cuda_graphs): personal models, the line search
-CLOSED_FORM_GRAPH_CASES = ["apfl, momentum", "pfedme, lr schedule", "fedli_ls grow, decay",
-                           "fedli_ls max, 3 trials", "fedli_ls, loss by B"]  # fmt: skip
+#: linear round's (SGD with its terms, momentum, kept losses and personal models, graphed by
+#: runtime.cuda_graphs): the line search
+CLOSED_FORM_GRAPH_CASES = ["fedli_ls grow, decay", "fedli_ls max, 3 trials",
+                           "fedli_ls, loss by B"]  # fmt: skip
 
 
 @pytest.mark.parametrize("forms", [(), ("cpu",)])

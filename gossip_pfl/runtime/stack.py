@@ -339,13 +339,12 @@ class BatchedForward:
         keeps its last step's objective there, sum_b w_b q_bm log-loss(z_bm) / max(sum_b w_b,
         1) at the step's starting theta (FedLi's)."""
         idx, weight, *host = batches
-        if personal is not None and not self.kernels:
-            raise RuntimeError("the personal steps need the compiled loops")
-        if losses is not None and not self.kernels and momentum is None:
-            raise RuntimeError("the torch operations keep losses in the gradient's units")
+        if (losses is not None or personal is not None) and not self.kernels and momentum is None:
+            raise RuntimeError("the torch operations keep losses and take personal steps in "
+                               "the gradient's units")  # fmt: skip
         if personal is not None and losses is not None:
             raise RuntimeError("the personal steps keep no losses")
-        if personal is not None:
+        if personal is not None and self.kernels:
             self._personal_round(theta, split, idx, weight, neg_step, batch_size, affine,
                                  personal, momentum)  # fmt: skip
             return
@@ -381,7 +380,7 @@ class BatchedForward:
             given = dict(zip(names, tensors))
             terms = None
             if affine is not None or momentum is not None:
-                terms = _StepTerms(theta, given, velocity, mu, losses, batch_size)
+                terms = _StepTerms(theta, given, velocity, mu, losses, batch_size, personal)
             plan = linear_plan(host.sizes, split, given["floats"], given["ints"], given.get("q"),
                                keep=terms is not None)  # fmt: skip
             self._linear_sgd_steps(theta, split.augmented, plan, shared_buffer, terms)
@@ -392,8 +391,8 @@ class BatchedForward:
         if graphed and min(host.sizes) == len(theta):
             split.device_offsets, split.neg_labels  # noqa: B018 - made before, not in, a graph
             key = (tuple(host.sizes), names, tuple(t.shape for t in inputs))
-            places = (theta, split.augmented,
-                      *(t for t in (velocity, losses) if t is not None))  # fmt: skip
+            mine = (velocity, losses, *((personal.model, personal.alpha) if personal else ()))
+            places = (theta, split.augmented, *(t for t in mine if t is not None))
             self.graphs(key, partial(steps, shared_buffer=False), *inputs,
                         places=places)  # fmt: skip
         else:
@@ -506,14 +505,17 @@ class BatchedForward:
             # (A, M, P) rows, then the view: bmm is 3.5x faster on it than on the contiguous
             # (A, P, M) that index_select makes of theta_t
             th_t = theta_t if rows is None else theta.index_select(0, rows).mT
-            if terms is not None:  # (momentum, FedProx's, weight decay, SCAFFOLD's, FedLi's)
-                z = torch.bmm(x, th_t)  # (A, B, M) the logits
+            if terms is not None:  # (momentum, FedProx's, weight decay, SCAFFOLD's, FedLi's,
+                # pFedMe's, APFL's)
 
-                def loss_part(z=z, x=x, coef=coef, ycoef=ycoef) -> torch.Tensor:
+                def grad_at(w, logits=None, x=x, coef=coef, ycoef=ycoef) -> torch.Tensor:
+                    z = torch.bmm(x, w.mT)  # (A, B, M)
+                    if logits is not None:
+                        logits(z)
                     r = torch.addcmul(ycoef, z.sigmoid_(), coef).mT  # (A, M, B)
                     return torch.bmm(r, x)
 
-                terms.step(theta, rows, z, loss_part, plan, k)
+                terms.step(theta, rows, th_t.mT, grad_at, plan, k)
                 continue
             r = torch.bmm(x, th_t).sigmoid_()  # (A, B, M)
             r = torch.addcmul(ycoef, r, coef).mT  # (A, M, B)
@@ -639,22 +641,62 @@ class _StepTerms:
     and kept loss included, as the solver does."""
 
     def __init__(
-        self, theta: torch.Tensor, given: dict, velocity, mu, losses=None, batch_size: int = 1
+        self, theta: torch.Tensor, given: dict, velocity, mu, losses=None, batch_size: int = 1,
+        personal: PersonalSteps | None = None,
     ) -> None:  # fmt: skip
         self.prox, self.decay = given.get("prox"), given.get("decay")
         self.shift, self.neg_lr = given.get("shift"), given.get("neg_lr")
         self.start = theta.clone() if self.prox is not None else None
         self.velocity, self.mu, self.losses = velocity, mu, losses
         self.inv_b = 1.0 / batch_size
+        self.personal = personal
 
-    def step(self, theta: torch.Tensor, rows, z: torch.Tensor, g, plan, k: int) -> None:
-        """Step ``k`` of ``plan`` on theta[rows] (None: every peer): ``z`` (A, B, M) the
-        logits at its start, ``g()`` the loss's part of the step (A, M, P)."""
+    def step(self, theta: torch.Tensor, rows, th: torch.Tensor, grad_at, plan, k: int) -> None:
+        """Step ``k`` of ``plan`` on theta[rows] (None: every peer), ``th`` (A, M, P) their
+        rows: ``grad_at(w, logits)`` is the loss's gradient at w (A, M, P) over the step's
+        batch (in the plan's units), ``logits(z)`` called with its logits first."""
         # (a step of some peers holds only those with samples in it)
         active = None if rows is not None else plan.weight[k].ne(0).any(1)
-        if self.losses is not None:
-            self._keep_loss(rows, z, plan.neg_y[k], plan.coef[k], plan.weight[k], active)
-        self._add(theta, rows, g(), active)
+        if self.personal is not None:
+            g = self._personal_step(rows, th, grad_at, active)
+        elif self.losses is not None:  # (FedLi-LU's objective, from the logits)
+            g = grad_at(th, lambda z: self._keep_loss(rows, z, plan.neg_y[k], plan.coef[k],
+                                                      plan.weight[k], active))  # fmt: skip
+        else:
+            g = grad_at(th)
+        self._add(theta, rows, g, active)
+
+    def _personal_step(self, rows, th, grad_at, active) -> torch.Tensor:
+        """pFedMe's or APFL's step of the personal models (and APFL's weights), in place,
+        as :mod:`gossip_pfl.algorithms.personal` takes it; returns the shared model's
+        gradient."""
+        ps = self.personal
+        take = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
+        v = take(ps.model)
+        if ps.kind == "pfedme":
+            w = v
+            for _ in range(ps.inner_steps):  # the prox, approximately
+                w = w - ps.personal_lr * (grad_at(w) + ps.lam * (w - th))
+            new_v, g = w, ps.lam * (th - w)
+        else:  # APFL: v and alpha descend the mixed model's loss (each read before written)
+            a = take(ps.alpha)[:, None, None]
+            g_mixed = grad_at(a * v + (1 - a) * th)
+            g_alpha = ((v - th) * g_mixed).sum(dim=(1, 2))
+            new_v = v - ps.personal_lr * a * g_mixed
+            new_a = (a[:, 0, 0] - ps.alpha_lr * g_alpha).clamp(0.0, 1.0)
+            self._put(ps.alpha, rows, new_a, active)
+            g = grad_at(th)
+        self._put(ps.model, rows, new_v, active)
+        return g
+
+    @staticmethod
+    def _put(held: torch.Tensor, rows, new: torch.Tensor, active) -> None:
+        """``held[rows] = new`` for the peers that step (``active``; None: all)."""
+        if rows is not None:
+            held.index_copy_(0, rows, new)
+        else:
+            on = active.view(-1, *([1] * (new.dim() - 1)))
+            held.copy_(torch.where(on, new, held))
 
     def _keep_loss(self, rows, z, neg_y, coef, weight, active) -> None:
         """The step's objective into ``losses[rows]``: z (A, B, M) the logits at the step's
