@@ -196,8 +196,9 @@ class RuntimeConfig:
     #: GPU (the same numbers up to float rounding)
     cpu_kernels: bool = True
     #: CUDA only: the binary linear model's local SGD steps (plain, or with momentum, weight
-    #: decay, FedProx's and SCAFFOLD's terms, FedLi-LU's kept losses) as one CUDA graph,
-    #: captured in the first round and replayed after (the same kernels, one launch; 200
+    #: decay, FedProx's and SCAFFOLD's terms, FedLi-LU's kept losses, pFedMe's and APFL's
+    #: personal models) as one CUDA graph, captured in the first round and replayed after
+    #: (the same kernels, one launch; 200
     #: synthetic rounds 1.39 to 1.47 s against 1.86 on an H200, docs/speed-notes.md); rounds
     #: of other shapes (partial participation) get their own; FedEM's E-step on that model
     #: too (the same operations, from the second round, whoever takes part); false launches
