@@ -504,7 +504,7 @@ class Trainer(RoundLoop):
         counts = self.counts if active is None else np.where(active, self.counts, 0)
         plain = self._plain_sgd()
         affine = not plain and self._affine_sgd()  # (the fused round adds its terms)
-        # pFedMe's and APFL's steps with the compiled loops
+        # pFedMe's and APFL's steps in the fused round
         steps_of = None
         if (plain or affine) and self._personal_fused():
             steps_of = self.surrogate.compiled_steps(personal)

@@ -103,14 +103,10 @@ def test_fused_path_equals_plain_path(case, form, monkeypatch, tmp_path):
     after three rounds of peers of unequal sizes: parameters, personal state, momentum,
     control variates, FedLi-LU's kept losses, pFedMe's and APFL's personal models (APFL's
     weights driven to their bounds too) and the last step sizes."""
-    import gossip_pfl.train as train
-    from gossip_pfl.runtime import data
-
     sizes = [40, 85, 20, 59, 33, 59]  # (2 to 6 steps an epoch)
     plain = rounds(trainer(tmp_path / "plain", "vmap", FUSED_CASES[case], sizes=sizes))
     if form == "torch, dense":
-        monkeypatch.setattr(data, "dense_layout", lambda device: True)
-        monkeypatch.setattr(train, "dense_layout", lambda device: True)
+        _dense_layout(monkeypatch)
     calls = []  # (the fused round ran, each round, not the solver's steps)
     for name in ("linear_sgd_round", "linear_armijo_round"):
         real = getattr(BatchedForward, name)
@@ -132,6 +128,71 @@ def test_fused_path_equals_plain_path(case, form, monkeypatch, tmp_path):
     torch.testing.assert_close(fused.last_loss, plain.last_loss, rtol=1e-5, atol=1e-7)
     assert bool((fused.last_loss > 0).all()) is (fused.track_loss or fused.line_search)
     torch.testing.assert_close(fused.opt_state.eta, plain.opt_state.eta)
+
+
+def _dense_layout(monkeypatch) -> None:
+    """A GPU's dense layout on this CPU: every step holds every peer."""
+    import gossip_pfl.train as train
+    from gossip_pfl.runtime import data
+
+    monkeypatch.setattr(data, "dense_layout", lambda device: True)
+    monkeypatch.setattr(train, "dense_layout", lambda device: True)
+
+
+@pytest.mark.parametrize("form", ["compiled", "torch, dense, graphed"])
+@pytest.mark.parametrize("case", ["pfedme, momentum", "apfl, decay"])
+def test_personal_models_of_peers_sitting_out_equal_the_solvers(case, form, monkeypatch,
+                                                                 tmp_path):  # fmt: skip
+    """pFedMe's and APFL's fused rounds (compiled; torch in the dense layout, graphed) over
+    seven rounds, two of them with half the peers, == the solver's steps: those sitting out
+    keep their personal models and weights, those past their epoch in a step too."""
+    from gossip_pfl.runtime.graphs import GraphReplay
+
+    sizes = [40, 85, 20, 59, 33, 59]
+    plain = trainer(tmp_path / "plain", "vmap", FUSED_CASES[case], sizes=sizes)
+    plain = seven_rounds_half_the_peers_in_two(plain)
+    if form != "compiled":
+        _dense_layout(monkeypatch)
+    tr = trainer(tmp_path, "auto", FUSED_CASES[case], sizes=sizes, cpu_kernels=form == "compiled")
+    if form != "compiled":
+        tr.forward.graphs = GraphReplay(simulate=True)
+    fused = seven_rounds_half_the_peers_in_two(tr)
+    assert form == "compiled" or fused.forward.graphs.graphs  # (graphed)
+    np.testing.assert_allclose(fused.shared_parameters(), plain.shared_parameters(),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    for k, v in plain.personal.items():
+        torch.testing.assert_close(fused.personal[k], v, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused.opt_state.momentum, plain.opt_state.momentum,
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", ["pfedme, momentum", "apfl, decay"])
+def test_a_restored_run_replays_its_graphs_on_the_restored_state(case, monkeypatch, tmp_path):
+    """In the dense layout with the fused round graphed: a checkpoint after two rounds, a
+    third round, then a restore (new tensors for the personal models and weights) and three
+    rounds give an uninterrupted eager run's five rounds to the bit: the graph reads the
+    personal state where it lies now (its places), not where it lay at capture."""
+    from gossip_pfl.runtime.graphs import GraphReplay
+
+    _dense_layout(monkeypatch)
+    sizes = [40, 85, 20, 59, 33, 59]
+    tr = trainer(tmp_path / "graphed", "auto", FUSED_CASES[case], sizes=sizes, cpu_kernels=False)
+    tr.forward.graphs = GraphReplay(simulate=True)
+    rounds(tr, 2)
+    saved = tmp_path / "checkpoint"
+    saved.mkdir()
+    tr.checkpoint(saved, 2, [])
+    before = {k: v.data_ptr() for k, v in tr.personal.items()}
+    rounds_from(tr, 2)  # (then undone)
+    tr.restore(saved)
+    assert all(tr.personal[k].data_ptr() != p for k, p in before.items())
+    rounds_from(tr, 2, 3)
+    ref = rounds(trainer(tmp_path / "eager", "auto", FUSED_CASES[case], sizes=sizes,
+                         cpu_kernels=False), 5)  # fmt: skip
+    assert torch.equal(tr.nodes, ref.nodes)
+    for k, v in ref.personal.items():
+        assert torch.equal(tr.personal[k], v)
+    assert torch.equal(tr.opt_state.momentum, ref.opt_state.momentum)
 
 
 @pytest.mark.parametrize("chunk", [0, 40])

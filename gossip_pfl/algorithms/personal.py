@@ -54,7 +54,7 @@ class PFedMeSurrogate(_PersonalModelBase):
         return self.lam * (theta - model), loss
 
     def compiled_steps(self, personal: dict) -> PersonalSteps:
-        """:meth:`shared_grad`'s steps for the binary linear model's compiled CPU round."""
+        """:meth:`shared_grad`'s steps for the binary linear model's fused round."""
         return PersonalSteps(
             "pfedme", personal["model"], lam=self.lam, inner_steps=self.inner_steps,
             personal_lr=self.personal_lr,
@@ -91,7 +91,7 @@ class APFLSurrogate(_PersonalModelBase):
         return weighted_loss_grad(ctx, theta, x, y, sw, self.batch_size)
 
     def compiled_steps(self, personal: dict) -> PersonalSteps:
-        """:meth:`shared_grad`'s steps for the binary linear model's compiled CPU round."""
+        """:meth:`shared_grad`'s steps for the binary linear model's fused round."""
         return PersonalSteps(
             "apfl", personal["model"], personal["alpha"], personal_lr=self.personal_lr,
             alpha_lr=self.alpha_lr,

@@ -52,10 +52,11 @@ class PendingEStep:
 
 @dataclass(frozen=True)
 class PersonalSteps:
-    """A step of pFedMe or APFL (``kind``) for the round's compiled loop
-    (:meth:`BatchedForward.linear_sgd_round`, :func:`gossip_pfl.runtime.kernels.
-    personal_round`): the personal models ``model`` (L, M, P) and APFL's weights ``alpha``
-    (L,), updated in place, and the surrogate's constants (those of the other kind unused)."""
+    """A step of pFedMe or APFL (``kind``) for the fused linear round
+    (:meth:`BatchedForward.linear_sgd_round`: :func:`gossip_pfl.runtime.kernels.
+    personal_round`, or the torch operations' :class:`_StepTerms`): the personal models
+    ``model`` (L, M, P) and APFL's weights ``alpha`` (L,), updated in place, and the
+    surrogate's constants (those of the other kind unused)."""
 
     kind: str  #: "pfedme" | "apfl"
     model: torch.Tensor
@@ -333,7 +334,7 @@ class BatchedForward:
         operations' kept losses), the momentum, and (L,) each peer's -lr * factor * scale;
         then ``neg_step`` and ``affine`` are in the gradient's units (``neg_step`` 1 for
         every peer, the terms' own coefficients), and -lr is applied after. ``personal``
-        (kernels only, ``q`` None): each step is pFedMe's or APFL's
+        (``q`` None; in torch operations with ``momentum``): each step is pFedMe's or APFL's
         (:func:`gossip_pfl.runtime.kernels.personal_round`). ``losses`` (L,) float64 (not
         with ``personal``; in torch operations with ``momentum``): each peer that steps
         keeps its last step's objective there, sum_b w_b q_bm log-loss(z_bm) / max(sum_b w_b,
