@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import yaml
 
 from topologies import MixingSchedule, TopologyError
 from topologies.analysis import (
@@ -174,6 +175,22 @@ def load(path: str) -> MixingSchedule:
         raise TopologyError(f"{path}: {_one_line(err)}") from None
 
 
+def _load_for_analysis(path: str) -> MixingSchedule:
+    """:func:`load` for the dense analyses: a spec file that gives ``n`` is checked against
+    this machine's memory before its graph is built (n = 300,000 took a second to build for
+    nothing); every schedule once loaded."""
+    if Path(path).suffix.lower() in SPEC_SUFFIXES and Path(path).is_file():
+        try:
+            n = yaml.safe_load(Path(path).read_text()).get("n")
+        except (OSError, yaml.YAMLError, AttributeError):
+            n = None  # (load reports what is wrong with the file)
+        if isinstance(n, int) and not isinstance(n, bool):
+            _check_dense(path, n)
+    schedule = load(path)
+    _check_dense(path, schedule.n)
+    return schedule
+
+
 def _check_dense(source: str, n: int) -> None:
     """The analyses hold a few dense n x n float64 matrices (window products, spectra): refuse
     an n whose three would not fit in this machine's memory, before numpy tries (n = 30,000
@@ -240,7 +257,7 @@ def cmd_consensus(args: argparse.Namespace) -> int:
     if demo:
         items = [(name, f"<demo:{name}>", _from_dict(s)) for name, s in DEMO_SPECS.items()]
     else:
-        items = [(name, p, load(p)) for name, p in _named(args.specs)]
+        items = [(name, p, _load_for_analysis(p)) for name, p in _named(args.specs)]
     rows, curves = zip(*(_study(*item, args) for item in items))
     files = _write_consensus(Path(args.out), list(rows), list(curves), args)
     for row in rows:
@@ -362,8 +379,7 @@ def _plot(path: str, rows: list[dict], curves: list) -> None:
 
 
 def cmd_describe(args: argparse.Namespace) -> int:
-    schedule = load(args.spec)
-    _check_dense(args.spec, schedule.n)
+    schedule = _load_for_analysis(args.spec)
     info = describe(schedule, horizon=args.horizon, trials=args.trials, seed=args.seed)
     if info["tau"] is None:
         raise TopologyError(_not_connected(Path(args.spec).stem, args.horizon, schedule))
