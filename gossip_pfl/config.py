@@ -198,11 +198,10 @@ class RuntimeConfig:
     #: CUDA only: the binary linear model's local SGD steps (plain, or with momentum, weight
     #: decay, FedProx's and SCAFFOLD's terms, FedLi-LU's kept losses, pFedMe's and APFL's
     #: personal models) as one CUDA graph, captured in the first round and replayed after
-    #: (the same kernels, one launch; 200
-    #: synthetic rounds 1.39 to 1.47 s against 1.86 on an H200, docs/speed-notes.md); rounds
-    #: of other shapes (partial participation) get their own; FedEM's E-step on that model
-    #: too (the same operations, from the second round, whoever takes part); false launches
-    #: each kernel
+    #: (the same kernels, one launch; 200 synthetic rounds 1.39 to 1.47 s against 1.86 on an
+    #: H200, docs/speed-notes.md); rounds of other shapes (partial participation) get their
+    #: own; FedEM's E-step on that model too (the same operations, from the second round,
+    #: whoever takes part); false launches each kernel
     cuda_graphs: bool = True
     #: CUDA only, experimental: the local steps of models with their own batched layers
     #: (cnn, lenet, mlp) and of the linear model as CUDA graphs, one per step shape, captured

@@ -80,6 +80,17 @@ def rounds_from(tr: Trainer, first: int, n: int = 1) -> Trainer:
     return tr
 
 
+def assert_states_close(got: Trainer, want: Trainer) -> None:
+    """Two runs' shared parameters, personal state and momentum agree up to float rounding
+    (rtol 1e-5, atol 1e-6)."""
+    np.testing.assert_allclose(got.shared_parameters(), want.shared_parameters(),
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    for k, v in want.personal.items():
+        torch.testing.assert_close(got.personal[k], v, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(got.opt_state.momentum, want.opt_state.momentum,
+                               rtol=1e-5, atol=1e-6)  # fmt: skip
+
+
 FUSED_CASES = {
     **CASES,
     "scaffold, momentum": {"name": "scaffold", "components": 1, "momentum": 0.9, "lr_decay": [0.5]},
@@ -117,12 +128,7 @@ def test_fused_path_equals_plain_path(case, form, monkeypatch, tmp_path):
     assert fused.forward.closed_form and not plain.forward.closed_form
     # (the torch forms' line search: the solver's steps)
     assert calls == ([] if fused.line_search and form != "compiled" else [form == "compiled"] * 3)
-    np.testing.assert_allclose(fused.shared_parameters(), plain.shared_parameters(),
-                               rtol=1e-5, atol=1e-6)  # fmt: skip
-    for k, v in plain.personal.items():
-        torch.testing.assert_close(fused.personal[k], v, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fused.opt_state.momentum, plain.opt_state.momentum,
-                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    assert_states_close(fused, plain)
     for k, v in plain.client_state.items():
         torch.testing.assert_close(fused.client_state[k], v, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fused.last_loss, plain.last_loss, rtol=1e-5, atol=1e-7)
@@ -158,12 +164,7 @@ def test_personal_models_of_peers_sitting_out_equal_the_solvers(case, form, monk
         tr.forward.graphs = GraphReplay(simulate=True)
     fused = seven_rounds_half_the_peers_in_two(tr)
     assert form == "compiled" or fused.forward.graphs.graphs  # (graphed)
-    np.testing.assert_allclose(fused.shared_parameters(), plain.shared_parameters(),
-                               rtol=1e-5, atol=1e-6)  # fmt: skip
-    for k, v in plain.personal.items():
-        torch.testing.assert_close(fused.personal[k], v, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(fused.opt_state.momentum, plain.opt_state.momentum,
-                               rtol=1e-5, atol=1e-6)  # fmt: skip
+    assert_states_close(fused, plain)
 
 
 @pytest.mark.parametrize("case", ["pfedme, momentum", "apfl, decay"])
@@ -321,13 +322,9 @@ def test_cpu_kernels_equal_torch_operations_at_any_thread_count(algorithm, tmp_p
     fast = rounds(trainer(tmp_path, "auto", algorithm))
     torch_ops = rounds(trainer(tmp_path, "auto", algorithm, cpu_kernels=False))
     assert fast.forward.kernels and not torch_ops.forward.kernels
-    np.testing.assert_allclose(fast.shared_parameters(), torch_ops.shared_parameters(),
-                               rtol=1e-5, atol=1e-6)  # fmt: skip
-    for k, v in torch_ops.personal.items():
-        torch.testing.assert_close(fast.personal[k], v, rtol=1e-5, atol=1e-6)
+    assert_states_close(fast, torch_ops)
     torch.testing.assert_close(fast.last_loss, torch_ops.last_loss, rtol=1e-5, atol=1e-6)
     velocity = fast.opt_state.momentum
-    torch.testing.assert_close(velocity, torch_ops.opt_state.momentum, rtol=1e-5, atol=1e-6)
     assert (velocity.abs().amax((1, 2)) > 0).all() == bool(algorithm.get("momentum"))
     kept = fast.track_loss or fast.line_search
     assert (fast.last_loss > 0).all() == kept  # (kept: every peer stepped)

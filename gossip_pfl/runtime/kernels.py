@@ -215,7 +215,7 @@ def sgd_round(
     ``torch.optim.SGD`` (dampening 0): ``step`` is then each peer's 1 / B and ``affine`` and
     ``shift`` are not times -lr (the step's direction d in the gradient's units), and
     ``heavy`` (L, 2) holds each peer's momentum and -lr: velocity = momentum velocity + d,
-    theta += -lr velocity (:func:`_heavy_step`)."""
+    theta += -lr velocity (:func:`_add_step`)."""
     L, M, P = theta.shape
     S = idx.shape[1]
     weighted = q.shape[0] > 0
@@ -273,11 +273,8 @@ def sgd_round(
             if keep:
                 losses[p] = total / max(summed, 1.0)
             _accumulate(g, x, offsets[p], order, r, k)
-            if momentum:
-                _heavy_step(th, g, prox, decay, start, shift, p, affine_on, shift_on,
-                            velocity[p], heavy[p, 0], heavy[p, 1])  # fmt: skip
-            else:
-                _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on)
+            _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on, velocity, heavy,
+                      momentum)  # fmt: skip
 
 
 @njit(inline="always")
@@ -312,11 +309,29 @@ def _batch(idx, weight, n_p, in_batch, order, wts):
 
 
 @njit(inline="always", fastmath=_FAST)
-def _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on):
+def _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on, velocity, heavy,
+              momentum):  # fmt: skip
     """th += g, with ``affine_on`` plus ``prox (th - start) + decay th``, with ``shift_on``
-    plus ``shift[p]`` (the kernels' coefficients hold -lr); g is left zero."""
+    plus ``shift[p]`` (the kernels' coefficients hold -lr); g is left zero. With
+    ``momentum``, as ``torch.optim.SGD`` takes it (dampening 0, the velocity in the
+    gradient's units, zero before the first step): d = g (+ the terms, not times -lr), then
+    ``velocity[p]`` = mu velocity + d and th += -lr velocity, ``heavy[p]`` = (mu, -lr)."""
     M, P = th.shape
-    if affine_on or shift_on:
+    if momentum:
+        vel, mu, neg_lr = velocity[p], heavy[p, 0], heavy[p, 1]
+        for m in range(M):
+            for i in range(P):
+                v = th[m, i]
+                d = g[m, i]
+                if affine_on:
+                    d = d + prox * (v - start[m, i]) + decay * v
+                if shift_on:
+                    d = d + shift[p, m, i]
+                b = mu * vel[m, i] + d
+                vel[m, i] = b
+                th[m, i] = v + neg_lr * b
+                g[m, i] = 0
+    elif affine_on or shift_on:
         for m in range(M):
             for i in range(P):
                 v = th[m, i]
@@ -328,26 +343,6 @@ def _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on):
             for i in range(P):
                 th[m, i] += g[m, i]
                 g[m, i] = 0
-
-
-@njit(inline="always", fastmath=_FAST)
-def _heavy_step(th, g, prox, decay, start, shift, p, affine_on, shift_on, vel, mu, neg_lr):
-    """:func:`_add_step` with momentum, as ``torch.optim.SGD`` takes it (dampening 0, the
-    velocity in the gradient's units, zero before the first step): d = g (+ prox (th - start)
-    + decay th, + shift[p]), vel = mu vel + d, th += neg_lr vel; g is left zero."""
-    M, P = th.shape
-    for m in range(M):
-        for i in range(P):
-            v = th[m, i]
-            d = g[m, i]
-            if affine_on:
-                d = d + prox * (v - start[m, i]) + decay * v
-            if shift_on:
-                d = d + shift[p, m, i]
-            b = mu * vel[m, i] + d
-            vel[m, i] = b
-            th[m, i] = v + neg_lr * b
-            g[m, i] = 0
 
 
 @njit(inline="always", fastmath=_FAST)
@@ -532,11 +527,8 @@ def personal_round(
                 alpha[p] = min(max(a - alpha_lr * g_alpha, np.float32(0.0)), one)
                 _weighted_pass(th, x, base, labels[p], order, wts, k, q, p, False,
                                step[p] * inv_b, r, z, g, True, False)  # fmt: skip
-            if momentum:
-                _heavy_step(th, g, prox, decay, start, shift, p, affine_on, shift_on,
-                            velocity[p], heavy[p, 0], heavy[p, 1])  # fmt: skip
-            else:
-                _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on)
+            _add_step(th, g, prox, decay, start, shift, p, affine_on, shift_on, velocity, heavy,
+                      momentum)  # fmt: skip
 
 
 @njit(**_OPTS)

@@ -374,8 +374,7 @@ class BatchedForward:
                  **self._term_inputs(affine, momentum)}  # fmt: skip
         names = tuple(k for k, v in named.items() if v is not None)
         inputs = tuple(named[k] for k in names)
-        velocity = None if momentum is None else momentum[0]
-        mu = None if momentum is None else momentum[1]
+        velocity, mu = (None, None) if momentum is None else momentum[:2]
 
         def steps(*tensors, shared_buffer=True) -> None:
             given = dict(zip(names, tensors))
@@ -665,39 +664,29 @@ class _StepTerms:
                                                       plan.weight[k], active))  # fmt: skip
         else:
             g = grad_at(th)
-        self._add(theta, rows, g, active)
+        self._add(theta, rows, th, g, active)
 
     def _personal_step(self, rows, th, grad_at, active) -> torch.Tensor:
         """pFedMe's or APFL's step of the personal models (and APFL's weights), in place,
         as :mod:`gossip_pfl.algorithms.personal` takes it; returns the shared model's
         gradient."""
         ps = self.personal
-        take = (lambda t: t) if rows is None else (lambda t: t.index_select(0, rows))
-        v = take(ps.model)
+        v = _take(ps.model, rows)
         if ps.kind == "pfedme":
             w = v
             for _ in range(ps.inner_steps):  # the prox, approximately
                 w = w - ps.personal_lr * (grad_at(w) + ps.lam * (w - th))
             new_v, g = w, ps.lam * (th - w)
         else:  # APFL: v and alpha descend the mixed model's loss (each read before written)
-            a = take(ps.alpha)[:, None, None]
+            a = _take(ps.alpha, rows)[:, None, None]
             g_mixed = grad_at(a * v + (1 - a) * th)
             g_alpha = ((v - th) * g_mixed).sum(dim=(1, 2))
             new_v = v - ps.personal_lr * a * g_mixed
             new_a = (a[:, 0, 0] - ps.alpha_lr * g_alpha).clamp(0.0, 1.0)
-            self._put(ps.alpha, rows, new_a, active)
+            _put(ps.alpha, rows, new_a, active)
             g = grad_at(th)
-        self._put(ps.model, rows, new_v, active)
+        _put(ps.model, rows, new_v, active)
         return g
-
-    @staticmethod
-    def _put(held: torch.Tensor, rows, new: torch.Tensor, active) -> None:
-        """``held[rows] = new`` for the peers that step (``active``; None: all)."""
-        if rows is not None:
-            held.index_copy_(0, rows, new)
-        else:
-            on = active.view(-1, *([1] * (new.dim() - 1)))
-            held.copy_(torch.where(on, new, held))
 
     def _keep_loss(self, rows, z, neg_y, coef, weight, active) -> None:
         """The step's objective into ``losses[rows]``: z (A, B, M) the logits at the step's
@@ -705,43 +694,43 @@ class _StepTerms:
         (B the nominal batch size)."""
         log_loss = F.softplus(z).addcmul_(neg_y[:, :, None], z)  # log(1 + e^z) - y z
         mean = (coef * log_loss).sum((1, 2)) / weight.sum(1).clamp_min(self.inv_b)
-        mean = mean.to(self.losses.dtype)
-        if rows is not None:
-            self.losses.index_copy_(0, rows, mean)
-        else:
-            self.losses.copy_(torch.where(active, mean, self.losses))
+        _put(self.losses, rows, mean.to(self.losses.dtype), active)
 
-    def _add(self, theta: torch.Tensor, rows, g: torch.Tensor, active) -> None:
-        """theta[rows] takes its step, ``g`` (A, M, P) the loss's part of it (times -lr, or
-        in the gradient's units), overwritten; ``active`` (A,): the peers that step (None:
-        all)."""
-        if rows is None:
-            take, th = (lambda t: t), theta
-        else:
-            take = lambda t: t.index_select(0, rows)  # noqa: E731
-            th = take(theta)
+    def _add(self, theta: torch.Tensor, rows, th: torch.Tensor, g: torch.Tensor,
+             active) -> None:  # fmt: skip
+        """theta[rows] (``th``, as the step starts) takes its step, ``g`` (A, M, P) the
+        loss's part of it (times -lr, or in the gradient's units), overwritten; ``active``
+        (A,): the peers that step (None: all)."""
         d = g
         if self.prox is not None:
-            d.addcmul_(th - take(self.start), take(self.prox)[:, None, None])
+            d.addcmul_(th - _take(self.start, rows), _take(self.prox, rows)[:, None, None])
         if self.decay is not None:
-            d.addcmul_(th, take(self.decay)[:, None, None])
+            d.addcmul_(th, _take(self.decay, rows)[:, None, None])
         if self.shift is not None:
-            d.add_(take(self.shift))
-        on = None if active is None else active[:, None, None]
+            d.add_(_take(self.shift, rows))
         if self.velocity is not None:  # v = momentum v + d; theta += -lr v
-            v = take(self.velocity)
-            if on is None:
-                v.mul_(self.mu).add_(d)
-            else:  # (the others' velocity as it is)
-                v.copy_(torch.where(on, v * self.mu + d, v))
-            if rows is not None:
-                self.velocity.index_copy_(0, rows, v)
-            d = torch.mul(v, take(self.neg_lr)[:, None, None], out=d)
+            v = _take(self.velocity, rows) * self.mu + d
+            _put(self.velocity, rows, v, active)  # (the others' velocity as it is)
+            d = torch.mul(v, _take(self.neg_lr, rows)[:, None, None], out=d)
         elif self.neg_lr is not None:
-            d.mul_(take(self.neg_lr)[:, None, None])
-        if on is not None:
-            d = torch.where(on, d, 0.0)
+            d.mul_(_take(self.neg_lr, rows)[:, None, None])
+        if active is not None:
+            d = torch.where(active[:, None, None], d, 0.0)
         if rows is None:
             theta.add_(d)
         else:
             theta.index_add_(0, rows, d)
+
+
+def _take(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """``t``'s rows ``rows`` (None: ``t`` itself, every peer's)."""
+    return t if rows is None else t.index_select(0, rows)
+
+
+def _put(held: torch.Tensor, rows, new: torch.Tensor, active) -> None:
+    """``held[rows] = new`` (in place) for the peers that step (``active``; None: all)."""
+    if rows is not None:
+        held.index_copy_(0, rows, new)
+    else:
+        on = active.view(-1, *([1] * (new.dim() - 1)))
+        held.copy_(torch.where(on, new, held))
