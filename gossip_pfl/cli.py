@@ -53,6 +53,10 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
     print(f"gossip-pfl: warning{kind}: {message}", file=file or sys.stderr)
 
 
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):  # a bare command: what there is to run
@@ -67,6 +71,10 @@ def main(argv: list[str] | None = None) -> int:
             return code
     except (GossipError, TopologyError) as err:
         print(f"gossip-pfl: error: {err}", file=sys.stderr)
+        return 2
+    except MemoryError as err:  # numpy names the array it could not allocate
+        why = f": {_one_line(err)}" if str(err) else ""
+        print(f"gossip-pfl: error: out of memory{why} (a smaller problem fits)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("gossip-pfl: interrupted", file=sys.stderr)

@@ -307,13 +307,9 @@ def merge(run_dir: str | Path) -> dict:
         **final,
         # the slowest process's loop, evaluations included (as gossip-pfl run's)
         "wall_seconds": max(
-            (
-                json.loads((f / "summary.json").read_text())["wall_seconds"]
-                for f in folders
-                if (f / "summary.json").is_file()
-            ),
+            (_wall_seconds(f / "summary.json") for f in folders if (f / "summary.json").is_file()),
             default=float("nan"),
-        ),  # fmt: skip
+        ),
         "bytes_sent": last["bytes_sent"],
         "client_test_accuracy": last["client_test_accuracy"],
         **{k: v for k, v in last.items() if k.startswith("mixture_")},
@@ -321,6 +317,17 @@ def merge(run_dir: str | Path) -> dict:
     }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def _wall_seconds(path: Path) -> float:
+    """A process's ``wall_seconds`` from its summary; a damaged summary is named."""
+    try:
+        value = json.loads(path.read_text())["wall_seconds"]
+    except (ValueError, TypeError, KeyError, IndexError) as e:  # JSONDecodeError: a ValueError
+        raise GossipError(f"{path}: not a process summary with wall_seconds ({e!r})") from None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise GossipError(f"{path}: wall_seconds is {value!r}, not a number")
+    return float(value)
 
 
 def _merge_round(rnd: int, rows: list[dict]) -> dict:

@@ -207,6 +207,19 @@ def _check_dense(source: str, n: int) -> None:
         )
 
 
+def _check_export(source: str, rounds: int, n: int) -> None:
+    """export holds W (rounds, n, n) float64 in memory: refuse one that would not fit, before
+    numpy tries (10^8 rounds of a 16-peer ring ran for minutes towards 205 GB)."""
+    from gossip_pfl.runtime.threads import physical_memory
+
+    memory, size = physical_memory(), rounds * n * n * 8
+    if memory is not None and size > memory:
+        raise TopologyError(
+            f"{source}: --rounds {rounds:,} x n^2 = {n:,}^2 x 8 bytes = {size / 2**30:,.1f} GiB "
+            f"of W, more than this machine's {memory / 2**30:,.1f} GiB; export fewer rounds"
+        )
+
+
 def _one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
@@ -409,6 +422,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from topologies.spec import save_npz
 
     schedule = load(args.spec)
+    _check_export(args.spec, args.rounds, schedule.n)
     out = Path(args.output)
     if out.suffix != ".npz":  # NumPy adds it: say the name that is written
         out = out.with_name(out.name + ".npz")

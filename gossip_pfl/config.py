@@ -221,7 +221,7 @@ class RuntimeConfig:
     #: seed gives the same numbers; false lets cuDNN pick its fastest algorithms by timing
     deterministic: bool = True
     #: torch threads of each rank (0: OMP_NUM_THREADS if set, else the cores this process may
-    #: use divided by torchrun's LOCAL_WORLD_SIZE; gossip_pfl/runtime/threads.py)
+    #: use divided by torchrun's LOCAL_WORLD_SIZE; at most 4 per core; runtime/threads.py)
     threads: int = 0
     #: torch (one process, or torchrun ranks) | zmq (peer-to-peer processes started by
     #: ``gossip-pfl peer``; docs/p2p.md)

@@ -455,6 +455,23 @@ MODELS = {
 }
 
 
+def check_model_reads(name: str, dataset) -> None:
+    """The model reads the dataset's kind of input: token ids (Shakespeare) only the LSTM,
+    which reads nothing else (numbers cast to ids would train on all-zero tokens)."""
+    tokens = dataset.meta.get("input_kind") == "tokens"
+    x = dataset.clients[0].x_train if dataset.clients else None
+    if name == "lstm" and not (tokens or (x is not None and x.dtype.kind in "iu")):
+        raise GossipError(
+            f"model.name 'lstm' reads token ids (data.name 'shakespeare'); data.name "
+            f"{dataset.name!r} has inputs of shape {tuple(dataset.input_shape)}"
+        )
+    if tokens and name != "lstm":
+        raise GossipError(
+            f"data.name {dataset.name!r} holds token ids, which only model.name 'lstm' reads "
+            f"(got {name!r})"
+        )
+
+
 def build_model(name: str, input_shape: tuple[int, ...], num_outputs: int, **options) -> nn.Module:
     """Build a registered model; unknown names and options give a one-line GossipError."""
     if name not in MODELS:

@@ -32,7 +32,7 @@ from gossip_pfl.config import RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop
 from gossip_pfl.metrics import recovery_entry, score_entries
-from gossip_pfl.models import build_model
+from gossip_pfl.models import build_model, check_model_reads
 from gossip_pfl.runtime.comm import (
     comm_from_config,
     device_memory,
@@ -66,6 +66,7 @@ from gossip_pfl.runtime.stack import BatchedForward, ParamLayout, PendingEStep, 
 from gossip_pfl.runtime.threads import configure_host, even_pieces, map_pieces
 from topologies import MixingSchedule, TopologyError
 from topologies.analysis import check_mixing
+from topologies.spec import check_not_data_file
 
 #: devices on which the finite check is queued rather than waited for (see _check_finite)
 QUEUE_CHECK_ON: tuple[str, ...] = ("cuda",)
@@ -104,6 +105,10 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
         base_dir = Path(sched).parent
         if not Path(sched).is_file():
             raise GossipError(f"config key 'schedule': schedule file not found: {sched}")
+        try:
+            check_not_data_file(Path(sched))
+        except TopologyError as err:
+            raise GossipError(f"config key 'schedule': {err}") from None
         sched = read_yaml(sched)
     if not isinstance(sched, dict):
         raise GossipError(f"config key 'schedule' must be a mapping or a file path, got {sched!r}")
@@ -189,6 +194,8 @@ class Trainer(RoundLoop):
                 f"dataset '{dataset.name}': samples have shape {tuple(x0.shape[1:])} but "
                 f"input_shape says {shape}"
             )
+
+        check_model_reads(cfg.model.name, dataset)
 
         def model_fn():
             return build_model(cfg.model.name, shape, n_out, **cfg.model.options)

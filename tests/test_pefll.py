@@ -240,7 +240,7 @@ runtime: {device: cpu}
         (["pefll.embed_dim=0"], ["pefll.embed_dim", ">= 1"]),
         (["data.unseen_fraction=1.5"], ["data.unseen_fraction", "[0, 1)"]),
         (["pefll.descriptor_batch=500"], ["pefll.descriptor_batch", "client"]),
-        (["model.name=lstm"], ["model.name", "unknown tensor kind"]),
+        (["model.name=lstm"], ["model.name 'lstm' reads token ids", "fashion_mnist"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2(overrides, needles, tmp_path, capsys):

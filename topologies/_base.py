@@ -27,6 +27,16 @@ class TopologyError(ValueError):
     """Bad topology input. The message is one line that names the problem."""
 
 
+def _npy_why(err: BaseException) -> str:
+    """Why numpy could not read a .npy or .npz file, for a user: an empty file says "No data
+    left in file", and a file of other bytes names numpy's pickle option, which the loaders
+    keep off on purpose (a file's pickle would run code)."""
+    text = str(err) or type(err).__name__
+    if "allow_pickle" in text:
+        return "not an array written by numpy's save or savez"
+    return "the file is empty" if isinstance(err, EOFError) else text
+
+
 @dataclass(frozen=True)
 class Phase:
     """One sparse mixing step ``x_new[i] = sum_j weights[k] * x_old[j]`` over ``(rows, cols)``.

@@ -14,7 +14,7 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 
-from topologies._base import TopologyError, _is_int
+from topologies._base import TopologyError, _is_int, _npy_why
 
 __all__ = [
     "GRAPH_FAMILIES",
@@ -494,8 +494,8 @@ def load_graph(path: str | Path) -> nx.Graph:
     if suffix == ".npy":
         try:
             a = np.load(p, allow_pickle=False)
-        except ValueError as e:
-            raise TopologyError(f"{p}: not a readable .npy array ({e})") from None
+        except (ValueError, OSError, EOFError) as e:  # EOFError: an empty file
+            raise TopologyError(f"{p}: not a readable .npy array ({_npy_why(e)})") from None
         return _prefixed(p, from_adjacency, a)
     if suffix in GRAPH_FILE_READERS:
         reader = getattr(nx, GRAPH_FILE_READERS[suffix])

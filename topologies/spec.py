@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import zipfile
 from collections.abc import Hashable
 from pathlib import Path
 
@@ -29,7 +30,7 @@ import yaml
 
 from topologies import graphs as _graphs
 from topologies import schedules as _s
-from topologies._base import MixingSchedule, TopologyError
+from topologies._base import MixingSchedule, TopologyError, _npy_why
 from topologies.validation import check_nonnegative, check_row_stochastic, check_square
 from topologies.weights import SYMMETRIC_RULES, WEIGHT_RULES
 
@@ -364,6 +365,14 @@ def _periodic(spec, tv, n, weights, seed, base_dir) -> MixingSchedule:
 # ----------------------------------------------------------------------------- files
 
 
+def check_not_data_file(path: Path) -> None:
+    """A graph or matrix file given where a schedule file (YAML) goes: say where it goes."""
+    suffix = path.suffix.lower()
+    if suffix in (*_graphs.GRAPH_FILE_READERS, ".npy", ".npz"):
+        key = "time_varying: {kind: periodic, file: FILE}" if suffix == ".npz" else "graph: FILE"
+        raise TopologyError(f"{path} is not a schedule file (YAML); a spec names it as {{{key}}}")
+
+
 def load_schedule(path: str | Path) -> MixingSchedule:
     """Load a YAML schedule file; paths inside it are relative to the file.
 
@@ -376,6 +385,7 @@ def load_schedule(path: str | Path) -> MixingSchedule:
     3
     """
     p = Path(path)
+    check_not_data_file(p)
     spec = read_mapping(p, "schedule file")
     if not spec:
         raise TopologyError(f"{p}: expected a mapping of keys ({', '.join(KNOWN_KEYS)})")
@@ -487,8 +497,9 @@ def load_npz(path: str | Path) -> _s.PeriodicSchedule:
             labels = data["labels"].tolist() if "labels" in data else None
     except TopologyError:  # a ValueError too: its message is whole
         raise
-    except (ValueError, TypeError, OSError) as e:  # TypeError: a W of strings or objects
-        raise TopologyError(f"{p}: not a readable .npz file ({e})") from None
+    # TypeError: a W of strings or objects; BadZipFile, EOFError: a cut or empty file
+    except (ValueError, TypeError, OSError, EOFError, zipfile.BadZipFile) as e:
+        raise TopologyError(f"{p}: not a readable .npz file ({_npy_why(e)})") from None
     if w.ndim != 3 or w.shape[1] != w.shape[2] or w.shape[0] == 0:
         raise TopologyError(f"{p}: W must have shape (rounds, n, n), got {w.shape}")
     for t, wt in enumerate(w):

@@ -287,7 +287,7 @@ def _cached_fmmc(path: Path, edges: int) -> np.ndarray | None:
     is only a cache, so the problem is solved again)."""
     try:
         w = np.load(path, allow_pickle=False)
-    except (OSError, ValueError):
+    except (OSError, ValueError, EOFError):  # EOFError: an empty file
         return None
     return w if w.shape == (edges,) and w.dtype == np.float64 else None
 

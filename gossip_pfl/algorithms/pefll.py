@@ -46,7 +46,7 @@ from gossip_pfl.config import RunConfig, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop
 from gossip_pfl.metrics import score_entries
-from gossip_pfl.models import EMBEDDINGS, build_model
+from gossip_pfl.models import EMBEDDINGS, build_model, check_model_reads
 from gossip_pfl.runtime.comm import gather_rows, init_comm, set_cuda_numerics
 from gossip_pfl.runtime.data import PaddedSplit, RankData, client_ids, round_batches
 from gossip_pfl.runtime.participation import participant_count, sample_participants
@@ -264,6 +264,7 @@ class PeFLLRun(RoundLoop):
         self.dim = p.embed_dim or max(1, len(dataset.clients) // 4)
         shape, C = tuple(dataset.input_shape), dataset.num_classes
 
+        check_model_reads(cfg.model.name, dataset)
         model = build_model(cfg.model.name, shape, C, **cfg.model.options).to(self.device)
         check_emittable(model, cfg.model.name)
         self.layout = ParamLayout(model)

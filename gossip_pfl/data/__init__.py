@@ -13,6 +13,7 @@ LEAF datasets are partitioned by writer (``natural``). See docs/data.md for ever
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
 import numpy as np
@@ -76,7 +77,13 @@ def _options(dataset: str, defaults: dict[str, Any], given: dict[str, Any]) -> d
         want = _kind(defaults[key])  # take 8.5 as 8 and "false" as True)
         if want and not _is_kind(value, want):
             raise GossipError(f"{dataset}: option {key!r} must be {want} (got {value!r})")
+        if key in _PATHS and not (value is None or isinstance(value, str | os.PathLike)):
+            raise GossipError(f"{dataset}: option {key!r} must be a folder (got {value!r})")
     return {**defaults, **given}
+
+
+#: options that name a folder (default None: the dataset's own place)
+_PATHS = ("root", "cache_dir")
 
 
 #: an option's type, from its default's (bool before int: True is an int to Python)

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import shutil
 import uuid
@@ -126,10 +127,10 @@ def _validate(a: dict) -> None:
         raise GossipError(f"synthetic: n_test must be >= 0, got {a['n_test']}")
     if not 0 <= a["seed"] < 2**63:  # NumPy's seeds are non-negative
         raise GossipError(f"synthetic: seed must be in [0, 2**63), got {a['seed']}")
-    if a["alpha"] <= 0:
-        raise GossipError(f"synthetic: alpha must be > 0, got {a['alpha']}")
-    if a["noise_std"] < 0:
-        raise GossipError(f"synthetic: noise_std must be >= 0, got {a['noise_std']}")
+    if not 0 < a["alpha"] < math.inf:  # (NaN fails both ways)
+        raise GossipError(f"synthetic: alpha must be a number > 0, got {a['alpha']}")
+    if not 0 <= a["noise_std"] < math.inf:
+        raise GossipError(f"synthetic: noise_std must be a number >= 0, got {a['noise_std']}")
     check_fraction("synthetic: val_fraction", a["val_fraction"])
     check_fraction("synthetic: unseen_fraction", a["unseen_fraction"])
 

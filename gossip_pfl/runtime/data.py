@@ -18,6 +18,8 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
+from gossip_pfl.errors import GossipError
+
 
 @dataclass
 class PaddedSplit:
@@ -248,6 +250,14 @@ def client_ids(dataset) -> tuple[np.ndarray, np.ndarray]:
     """(training client ids, unseen client ids) of a dataset: unseen clients only evaluate."""
     unseen = set(getattr(dataset, "unseen", []) or [])
     train = np.array([i for i in range(len(dataset.clients)) if i not in unseen])
+    # (a client without one made the size-weighted sums 0 / 0: NaN, blamed on the lr)
+    empty = [int(i) for i in train if len(dataset.clients[i].y_train) == 0]
+    if empty:
+        more = f" (nor do {len(empty) - 1} more)" if len(empty) > 1 else ""
+        raise GossipError(
+            f"data.name {dataset.name!r}: client {empty[0]} has no training sample{more}; "
+            "every training client needs one (see data.val_fraction and the data's split)"
+        )
     return train, np.array(sorted(unseen), dtype=np.int64)
 
 

@@ -22,6 +22,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from gossip_pfl.errors import GossipError
+
 T, R = TypeVar("T"), TypeVar("R")
 
 
@@ -41,6 +43,10 @@ def physical_memory() -> int | None:
         return None
 
 
+#: the most threads a run may ask per core it may use (more only oversubscribes the cores)
+MAX_THREADS_PER_CORE = 4
+
+
 def default_threads(env: dict[str, str] | None = None) -> tuple[int, str]:
     """(threads, where the number comes from) when the config leaves ``runtime.threads`` at 0."""
     env = os.environ if env is None else env
@@ -57,6 +63,12 @@ def set_threads(threads: int = 0) -> str:
     """Set torch's intra-op threads (``threads`` > 0, else the default above); returns how the
     count was chosen, for the run's first log line."""
     how = "runtime.threads"
+    cores = available_cores()
+    if threads > MAX_THREADS_PER_CORE * cores:  # 100,000 threads crashed the process
+        raise GossipError(
+            f"runtime.threads {threads} is more than {MAX_THREADS_PER_CORE} x the {cores} "
+            f"core(s) this process may use ({MAX_THREADS_PER_CORE * cores}); 0 picks a count"
+        )
     import torch  # here: this module answers the host's questions without loading torch
 
     if threads <= 0:

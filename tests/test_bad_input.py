@@ -1,0 +1,139 @@
+"""Bad input found by trying the command with broken files and values (each gave a traceback,
+a crash or a silently wrong run): now one line naming the problem, exit 2."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import networkx as nx
+import numpy as np
+import pytest
+
+from gossip_pfl import cli, cli_peer
+from gossip_pfl.cli import main
+from gossip_pfl.errors import GossipError
+from gossip_pfl.runtime import threads
+from topologies.weights import _cached_fmmc
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ["--set", "rounds=1", "--set", "data.n_clients=6", "--set", "data.n_test=20"]
+
+
+def _one_line_error(capsys, argv: list[str], pattern: str) -> None:
+    code = main(argv)
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert re.search(pattern, err), err
+
+
+def _files(tmp_path: Path) -> dict[str, Path]:
+    good = tmp_path / "good.npz"
+    np.savez(good, W=np.full((1, 4, 4), 0.25))
+    files = {"cut.npz": good.read_bytes()[:100], "empty.npz": b"", "empty.npy": b"",
+             "garbage.npy": bytes(range(256)) * 4}  # fmt: skip
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    nx.write_graphml(nx.cycle_graph(8), tmp_path / "ring.graphml")
+    return {name: tmp_path / name for name in [*files, "ring.graphml"]}
+
+
+@pytest.mark.parametrize(
+    ("name", "pattern"),
+    [
+        ("cut.npz", r"cut\.npz: not a readable \.npz file \(File is not a zip file\)"),
+        ("empty.npz", r"empty\.npz: not a readable \.npz file \(the file is empty\)"),
+        ("empty.npy", r"empty\.npy: not a readable \.npy array \(the file is empty\)"),
+        ("garbage.npy", r"garbage\.npy: .*not an array written by numpy's save or savez"),
+    ],
+)
+def test_broken_matrix_and_graph_files(tmp_path, capsys, name, pattern):
+    path = _files(tmp_path)[name]
+    _one_line_error(capsys, ["topology", "describe", str(path)], pattern)
+    cfg = str(ROOT / "configs/synthetic/dfedem.yaml")
+    key = "time_varying: {kind: periodic, file: F}" if name.endswith(".npz") else "graph: F"
+    spec = "schedule={" + key.replace("F", str(path)) + "}"
+    out = ["--out", str(tmp_path / "run"), "--quiet"]
+    _one_line_error(capsys, ["run", cfg, *SMALL, "--set", spec, *out], pattern)
+
+
+def test_a_graph_file_where_a_schedule_file_goes_says_where_it_goes(tmp_path, capsys):
+    files = _files(tmp_path)
+    cfg = str(ROOT / "configs/synthetic/dfedem.yaml")
+    for name, key in [("ring.graphml", "graph: FILE"), ("empty.npz", "time_varying: ")]:
+        argv = ["run", cfg, *SMALL, "--set", f"schedule={files[name]}", "--out", str(tmp_path)]
+        _one_line_error(capsys, argv, f"is not a schedule file .*{re.escape(key)}")
+
+
+def test_an_empty_fmmc_cache_file_is_solved_again(tmp_path):
+    (tmp_path / "w.npy").write_bytes(b"")
+    assert _cached_fmmc(tmp_path / "w.npy", 3) is None
+
+
+@pytest.mark.parametrize(
+    ("sets", "pattern"),
+    [
+        # every client's 50+ samples went to validation: NaN, then blamed on the lr
+        (["data.val_fraction=0.999"], r"client 0 has no training sample \(nor do 5 more\)"),
+        # the LSTM cast the features to token ids (all 0) and trained on nothing
+        (["model.name=lstm"], r"model.name 'lstm' reads token ids .* shape \(150,\)"),
+        (["data.noise_std=.nan"], r"noise_std must be a number >= 0, got nan"),
+        (["data.noise_std=.inf"], r"noise_std must be a number >= 0, got inf"),
+        (["data.cache_dir=5"], r"synthetic: option 'cache_dir' must be a folder \(got 5\)"),
+    ],
+)
+def test_runs_refused_before_training(tmp_path, capsys, sets, pattern):
+    argv = ["run", str(ROOT / "configs/synthetic/fedavg.yaml"), *SMALL, "--quiet"]
+    argv += [x for s in sets for x in ("--set", s)] + ["--out", str(tmp_path / "run")]
+    _one_line_error(capsys, argv, pattern)
+    assert not (tmp_path / "run" / "summary.json").exists()
+
+
+def test_a_dataset_folder_must_be_a_path(tmp_path, capsys):
+    argv = ["run", str(ROOT / "configs/fashion_mnist/fedavg.yaml"), "--set", "data.root=[a]",
+            "--out", str(tmp_path / "run")]  # fmt: skip
+    _one_line_error(capsys, argv, r"fashion_mnist: option 'root' must be a folder \(got \['a'\]\)")
+
+
+def test_thread_counts_past_the_cores_are_refused(monkeypatch):
+    monkeypatch.setattr(threads, "available_cores", lambda: 2)
+    with pytest.raises(GossipError, match=r"runtime.threads 9 is more than 4 x the 2 .*\(8\)"):
+        threads.set_threads(9)
+
+
+def test_export_refuses_more_rounds_than_memory_holds(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(threads, "physical_memory", lambda: 10 * 16 * 16 * 8)
+    ring = str(ROOT / "configs/topologies/ring16.yaml")
+    argv = ["topology", "export", ring, "--rounds", "11", "-o", str(tmp_path / "w.npz")]
+    _one_line_error(capsys, argv, r"--rounds 11 x n\^2 = 16\^2 x 8 bytes = .* GiB of W")
+    assert not (tmp_path / "w.npz").exists()
+    assert main([*argv[:3], "--rounds", "10", "-o", str(tmp_path / "w.npz")]) == 0  # it fits
+
+
+def test_out_of_memory_is_one_line(capsys, monkeypatch):
+    def too_big(args):
+        raise MemoryError("Unable to allocate 559. GiB for an array with shape (10,)")
+
+    monkeypatch.setattr(cli.argparse.ArgumentParser, "parse_args", lambda *a, **k: _Args(too_big))
+    code = main(["run"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and err == (
+        "gossip-pfl: error: out of memory: Unable to allocate 559. GiB for an array with "
+        "shape (10,) (a smaller problem fits)"
+    )
+
+
+class _Args:
+    def __init__(self, func):
+        self.func = func
+
+
+@pytest.mark.parametrize("text", ["{bad", "[1]", '{"wall_seconds": "x"}', "{}"])
+def test_merge_names_a_damaged_process_summary(tmp_path, text):
+    path = tmp_path / "summary.json"
+    path.write_text(text)
+    with pytest.raises(GossipError, match=re.escape(str(path))):
+        cli_peer._wall_seconds(path)
+    path.write_text(json.dumps({"wall_seconds": 1.5}))
+    assert cli_peer._wall_seconds(path) == 1.5
