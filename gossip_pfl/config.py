@@ -397,6 +397,33 @@ def _changed(section: str, value, default) -> str:
     return ", ".join(f"{section}.{k}" for k, v in vars(value).items() if v != getattr(default, k))
 
 
+def _check_read(cfg: RunConfig, spec) -> None:
+    """A key set for another rule or solver went unheeded (rule.lr under FedAvg's average ran
+    FedAvg to the bit): the rule's own keys, the line search's, FedProx's mu."""
+    from gossip_pfl.algorithms import RULE_KEYS
+
+    a, rule = cfg.algorithm, cfg.rule.name or spec.rule
+    reads = RULE_KEYS.get(rule)  # (None: an unknown name, refused where the rule is built)
+    changed = [k for k, v in vars(cfg.rule).items() if k != "name" and v != getattr(RuleConfig, k)]
+    unread = [k for k in changed if reads is not None and k not in reads]
+    if unread:
+        key = unread[0]
+        own = ", ".join(f"rule.{k}" for k in reads) or "no rule.* key"
+        users = ", ".join(n for n, keys in RULE_KEYS.items() if key in keys)
+        raise GossipError(f"config key rule.{key} is set but rule '{rule}' does not read it "
+                          f"(it reads {own}; rule.{key} is for {users})")  # fmt: skip
+    searches = spec.solver == "armijo" or rule == "fedli_ls"
+    if not searches and (given := _changed("line_search", cfg.line_search, LineSearchConfig())):
+        raise GossipError(f"config key(s) {given} are for FedLi-LS's line search (rule.name "
+                          f"fedli_ls); rule '{rule}' does not search")  # fmt: skip
+    if searches and a.momentum:
+        raise GossipError(f"config key 'algorithm.momentum' is {a.momentum} but the line "
+                          "search (rule fedli_ls) takes plain steps; set it to 0")  # fmt: skip
+    if a.mu and not (spec.prox or a.name == "pfedme"):
+        raise GossipError(f"config key 'algorithm.mu' is {a.mu} but '{a.name}' has no "
+                          "proximal term (fedprox and pfedme read it)")  # fmt: skip
+
+
 def validate(cfg: RunConfig) -> None:
     """Cross-field checks that need no data, with the key to change in the message."""
     from gossip_pfl.algorithms import ALGORITHMS, get_algorithm
@@ -482,6 +509,11 @@ def validate(cfg: RunConfig) -> None:
     if spec.workload != "model" and (given := _changed("rule", cfg.rule, RuleConfig())):
         raise GossipError(f"config key(s) {given}: rules are for the model workloads; "
                           f"'{a.name}' has its own server step")  # fmt: skip
+    if spec.workload != "pefll" and (given := _changed("pefll", cfg.pefll, PeFLLConfig())):
+        raise GossipError(f"config key(s) {given} are for algorithm 'pefll'; '{a.name}' does "
+                          "not read them")  # fmt: skip
+    if spec.workload == "model":
+        _check_read(cfg, spec)
     if spec.workload == "expfam":  # the EM reads expfam.*: data.* and model.* go unheeded
         for key, value, default in (("data", cfg.data, DataConfig()),
                                     ("model", cfg.model, ModelConfig())):  # fmt: skip

@@ -90,6 +90,32 @@ def test_runs_refused_before_training(tmp_path, capsys, sets, pattern):
     assert not (tmp_path / "run" / "summary.json").exists()
 
 
+@pytest.mark.parametrize(
+    ("sets", "pattern"),
+    [
+        (["rule.lr=5"], r"rule.lr is set but rule 'average' does not read it \(it reads no rule"),
+        (["rule.name=fedavgm", "rule.beta2=0.5"], r"'fedavgm' .* reads rule.lr, rule.momentum"),
+        (["rule.tol1=0.1"], r"rule.tol1 is for clustered\)"),
+        (["line_search.c=0.5"], r"line_search.c are for FedLi-LS's line search"),
+        (["rule.name=fedli_ls", "algorithm.momentum=0.9"], r"line search .* takes plain steps"),
+        (["algorithm.mu=5"], r"'algorithm.mu' is 5.0 but 'fedavg' has no proximal term"),
+        (["pefll.lr=0.1"], r"pefll.lr are for algorithm 'pefll'"),
+    ],
+)
+def test_keys_no_part_of_the_run_reads_are_refused(capsys, sets, pattern):
+    """Each ran FedAvg to the bit, the key unheeded."""
+    argv = ["run", str(ROOT / "configs/synthetic/fedavg.yaml"), "--set", "rounds=1"]
+    _one_line_error(capsys, argv + [x for s in sets for x in ("--set", s)], pattern)
+
+
+def test_keys_the_run_reads_are_taken(tmp_path):
+    argv = ["run", str(ROOT / "configs/synthetic/fedavg.yaml"), *SMALL, "--quiet", "--no-plots"]
+    for sets in (["rule.name=fedadam", "rule.lr=0.1", "rule.tau=0.01"],
+                 ["algorithm.name=fedprox", "algorithm.mu=0.5"]):  # fmt: skip
+        out = ["--out", str(tmp_path / sets[0])]
+        assert main(argv + [x for s in sets for x in ("--set", s)] + out) == 0
+
+
 def test_a_dataset_folder_must_be_a_path(tmp_path, capsys):
     argv = ["run", str(ROOT / "configs/fashion_mnist/fedavg.yaml"), "--set", "data.root=[a]",
             "--out", str(tmp_path / "run")]  # fmt: skip

@@ -11,12 +11,22 @@ from dataclasses import dataclass
 
 from gossip_pfl.errors import GossipError
 
-#: the aggregation rules (gossip_pfl.algorithms.rules.build_rule); here, without torch, for
-#: the config's checks
-RULE_NAMES = (
-    "average", "server_sgd", "fedavgm", "fedadam", "fedyogi", "fedadagrad", "fedexp",
-    "fedli_lu", "fedli_ls", "scaffold", "clustered",
-)  # fmt: skip
+#: the aggregation rules (gossip_pfl.algorithms.rules.build_rule) and the ``rule.*`` keys
+#: each reads (one set but not read is refused); here, without torch, for the config's checks
+RULE_KEYS = {
+    "average": (),
+    "server_sgd": ("lr",),
+    "fedavgm": ("lr", "momentum"),
+    "fedadam": ("lr", "beta1", "beta2", "tau"),
+    "fedyogi": ("lr", "beta1", "beta2", "tau"),
+    "fedadagrad": ("lr", "beta1", "tau"),
+    "fedexp": ("eps",),
+    "fedli_lu": ("lam", "eta"),
+    "fedli_ls": ("step",),
+    "scaffold": ("lr",),
+    "clustered": ("tol1", "tol2"),
+}
+RULE_NAMES = tuple(RULE_KEYS)
 
 
 @dataclass(frozen=True)
