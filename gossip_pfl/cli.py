@@ -25,6 +25,13 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def nonempty(text: str) -> str:
+    """A path argument: an empty one (``--out ''``) fell back to the config's, unsaid."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("an empty path")
+    return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="gossip-pfl",

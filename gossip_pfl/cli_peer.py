@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from gossip_pfl.cli import nonempty
 from gossip_pfl.config import load_config, read_yaml
 from gossip_pfl.errors import KILLED_EXIT, GossipError
 from gossip_pfl.metrics import score_entries
@@ -41,7 +42,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         p.add_argument("config", help="run config YAML (its schedule must be a gossip one)")
         p.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="override a config key (repeatable)")  # fmt: skip
-        p.add_argument("--out", help="the run folder RUN_DIR (overrides the config's 'out')")
+        p.add_argument("--out", type=nonempty,
+                       help="the run folder RUN_DIR (overrides the config's 'out')")  # fmt: skip
         p.add_argument("--overwrite", action="store_true", help="replace a run already there")
 
     p = sub.add_parser("peer", help="start one peer-to-peer process (runtime.transport zmq)",

@@ -6,6 +6,7 @@ import argparse
 from importlib import resources
 from pathlib import Path
 
+from gossip_pfl.cli import nonempty
 from gossip_pfl.config import load_config, read_yaml
 from gossip_pfl.errors import GossipError
 
@@ -25,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         metavar="KEY=VALUE",
         help="override a config key, e.g. --set algorithm.lr=0.05 (repeatable)",
     )
-    p.add_argument("--out", help="output directory (overrides the config's 'out')")
+    p.add_argument("--out", type=nonempty, help="output directory (overrides the config's 'out')")
     p.add_argument("--quiet", action="store_true", help="print only errors and the summary")
     p.add_argument(
         "--no-plots",

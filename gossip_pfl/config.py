@@ -491,6 +491,8 @@ def validate(cfg: RunConfig) -> None:
         (r.lam >= 0, "rule.lam", "must be >= 0"),
         (r.eta > 0, "rule.eta", "must be > 0"),
         (r.step in ("one", "max"), "rule.step", "must be one|max"),
+        (r.tol1 >= 0, "rule.tol1", "must be >= 0 (a bound on an update's norm)"),
+        (r.tol2 >= 0, "rule.tol2", "must be >= 0 (a bound on an update's norm)"),
         (0 < ls.c < 1, "line_search.c", "must be in (0, 1)"),
         (0 < ls.beta < 1, "line_search.beta", "must be in (0, 1)"),
         (ls.eta_max > 0, "line_search.eta_max", "must be > 0"),
@@ -549,6 +551,9 @@ def _transport_checks(rt: RuntimeConfig, rounds: int) -> list[tuple[bool, str, s
         # the restart would wait for a round the others never reach
         (all(k.get("restart", 0) < rounds for k in kills), "runtime.faults.kill",
          f"restart rounds must be < rounds = {rounds} (the others finish first)"),
+        # a kill at or past the last round never fires: the run would not test what it says
+        (all(k["round"] < rounds for k in kills), "runtime.faults.kill",
+         f"kill rounds must be < rounds = {rounds} (a later one never fires)"),
     ]  # fmt: skip
 
 

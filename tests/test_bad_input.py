@@ -116,6 +116,34 @@ def test_keys_the_run_reads_are_taken(tmp_path):
         assert main(argv + [x for s in sets for x in ("--set", s)] + out) == 0
 
 
+def test_an_empty_out_is_refused_not_replaced_by_the_configs(capsys):
+    cfg = str(ROOT / "configs/synthetic/p2p_small.yaml")
+    for command in ("run", "peers-local"):
+        with pytest.raises(SystemExit) as stop:  # (argparse's exit)
+            main([command, cfg, "--out", ""])
+        err = capsys.readouterr().err.strip()
+        assert stop.value.code == 2 and len(err.splitlines()) == 1, err
+        assert "argument --out: an empty path" in err
+
+
+@pytest.mark.parametrize(
+    ("sets", "pattern"),
+    [
+        # a kill past the last round never fired: the run did not test what it said
+        (["runtime.transport=zmq", "runtime.faults.kill=[{id: 1, round: 3}]"],
+         r"kill rounds must be < rounds = 3"),
+        (["algorithm.name=clustered", "rule.tol1=-1"], r"'rule.tol1' must be >= 0"),
+        # dim 10^9 was killed for memory with no message
+        (["data.dim=1000000000"], r"at least n_clients x \(50 \+ n_test\) x dim x 4 bytes = "
+         r"300 x 5,050 x 1,000,000,000 x 4 = .* GiB of samples"),
+    ],
+)  # fmt: skip
+def test_settings_that_cannot_run_as_asked(tmp_path, capsys, sets, pattern):
+    argv = ["run", str(ROOT / "configs/synthetic/fedavg.yaml"), "--set", "rounds=3"]
+    argv += [x for s in sets for x in ("--set", s)] + ["--out", str(tmp_path / "run")]
+    _one_line_error(capsys, argv, pattern)
+
+
 def test_a_dataset_folder_must_be_a_path(tmp_path, capsys):
     argv = ["run", str(ROOT / "configs/fashion_mnist/fedavg.yaml"), "--set", "data.root=[a]",
             "--out", str(tmp_path / "run")]  # fmt: skip

@@ -150,3 +150,31 @@ def test_registry_image_partition_on_fake_cifar(tmp_path):
     )
     assert ds.n_clients == 4 and ds.num_classes == 10 and ds.input_shape == (3, 32, 32)
     assert ds.sizes("train").sum() + ds.sizes("val").sum() + ds.sizes("test").sum() == 240
+
+
+@pytest.mark.parametrize(
+    ("data", "labels", "message"),
+    [
+        # (values over 255 wrapped to uint8; strings were a ValueError traceback)
+        (np.full((2, 3072), 1000.0), [1, 2], "data of float64"),
+        (np.array([["x"] * 3072] * 2), [1, 2], "data of <U1"),
+        (np.zeros((2, 3072), np.uint8), ["a", "b"], "labels of <U1"),
+    ],
+)
+def test_cifar_batches_of_other_types_are_refused(tmp_path, data, labels, message):
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    for name in ("train", "test"):
+        with open(folder / name, "wb") as f:
+            pickle.dump({b"data": data, b"fine_labels": labels, b"coarse_labels": labels}, f)
+    with pytest.raises(GossipError, match=message):
+        images.load_cifar100(tmp_path)
+
+
+def test_cifar_bytes_that_break_the_unpickler_are_one_line(tmp_path):
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    for name in ("train", "test"):  # a pickle header, then a huge BINBYTES length
+        (folder / name).write_bytes(b"\x80\x04\x8e" + b"\xff" * 8)
+    with pytest.raises(GossipError, match="cannot unpickle .*train"):
+        images.load_cifar100(tmp_path)

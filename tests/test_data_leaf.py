@@ -91,3 +91,30 @@ def test_missing_and_bad_files(tmp_path):
         leaf.load_leaf(tmp_path, "femnist")
     with pytest.raises(GossipError, match="only partition.kind 'natural'"):
         load_dataset("femnist", root=tmp_path, partition={"kind": "dirichlet"})
+
+
+@pytest.mark.parametrize(
+    ("kind", "users", "message"),
+    [
+        # each was a traceback, or ran on a silently changed sample
+        ("femnist", {"u": {"x": 5, "y": 5}}, "'x' and 'y' must be lists"),
+        ("femnist", {"u": {"x": [{"a": 1}], "y": [1]}}, "not 784-pixel images"),
+        ("femnist", {"u": {"x": [[None] * 784], "y": [1]}}, r"pixels that are not numbers"),
+        ("femnist", {"u": {"x": [[0.5] * 784], "y": [1.7]}}, "labels that are not whole"),
+        ("femnist", {}, "hold no user"),
+        ("shakespeare", {"u": {"x": [5], "y": ["a"]}}, "inputs 'x' must be strings"),
+        ("shakespeare", {"u": {"x": ["ab"], "y": [""]}}, "'y' must be single characters"),
+        ("shakespeare", {"u": {"x": ["ab"], "y": ["cd"]}}, "'y' must be single characters"),
+        (
+            "shakespeare",
+            {"u": {"x": ["ab"], "y": ["c"]}, "v": {"x": ["abc"], "y": ["d"]}},
+            r"users' samples differ in shape: \[\(2,\), \(3,\)\]",
+        ),
+    ],
+)
+def test_malformed_leaf_files_are_one_line_errors(tmp_path, kind, users, message):
+    for split in ("train", "test"):
+        (tmp_path / split).mkdir()
+        (tmp_path / split / "a.json").write_text(json.dumps({"user_data": users}))
+    with pytest.raises(GossipError, match=message):
+        leaf.load_leaf(tmp_path, kind)

@@ -262,15 +262,22 @@ def _unpickle_cifar(dataset: str, path: Path, label_key: bytes) -> tuple[np.ndar
     try:
         with open(path, "rb") as f:
             batch = pickle.load(f, encoding="bytes")
-    except (OSError, EOFError, pickle.UnpicklingError, ValueError) as e:
-        raise GossipError(f"{dataset}: cannot unpickle {path} ({e})") from e
+    # (random bytes after a pickle header: OverflowError, MemoryError, among others)
+    except (OSError, EOFError, pickle.UnpicklingError, ValueError, OverflowError, MemoryError,
+            TypeError, AttributeError, IndexError, KeyError) as e:  # fmt: skip
+        raise GossipError(f"{dataset}: cannot unpickle {path} ({type(e).__name__}: {e})") from e
     if not isinstance(batch, dict) or b"data" not in batch or label_key not in batch:
         raise GossipError(
             f"{dataset}: {path} lacks the keys 'data' and {label_key.decode()!r}; "
             "is it the python version of the archive?"
         )
-    x = np.asarray(batch[b"data"], dtype=np.uint8)
-    y = np.asarray(batch[label_key], dtype=np.int64)
+    x, y = np.asarray(batch[b"data"]), np.asarray(batch[label_key])
+    if x.dtype != np.uint8 or y.dtype.kind not in "iu":  # (a cast wraps 1000 to 232)
+        raise GossipError(
+            f"{dataset}: {path} has data of {x.dtype} and labels of {y.dtype}; expected uint8 "
+            "pixels and integer labels"
+        )
+    y = y.astype(np.int64)
     if x.ndim != 2 or x.shape[1] != 3 * 32 * 32 or len(x) != len(y):
         raise GossipError(
             f"{dataset}: {path} has data {x.shape} and {len(y)} labels; expected (N, 3072) and N"

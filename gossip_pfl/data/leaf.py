@@ -109,6 +109,8 @@ def _read_file(kind: str, path: Path) -> dict[str, dict]:
     for user, data in user_data.items():
         if not isinstance(data, dict) or "x" not in data or "y" not in data:
             raise GossipError(f"{kind}: {path}: user {user!r} lacks the 'x' or 'y' key")
+        if not (isinstance(data["x"], list) and isinstance(data["y"], list)):
+            raise GossipError(f"{kind}: {path}: user {user!r}: 'x' and 'y' must be lists")
         if len(data["x"]) != len(data["y"]):
             raise GossipError(
                 f"{kind}: {path}: user {user!r} has {len(data['x'])} x but {len(data['y'])} y"
@@ -117,21 +119,31 @@ def _read_file(kind: str, path: Path) -> dict[str, dict]:
 
 
 def _pool(kind: str, raw: dict[str, dict], number: dict[str, int], convert) -> LeafSplit:
+    if not raw:
+        raise GossipError(f"{kind}: a split's JSON files hold no user (empty 'user_data')")
     xs, ys, ws = [], [], []
     for user, data in raw.items():
         x, y = convert(kind, user, data)
         xs.append(x)
         ys.append(y)
         ws.append(np.full(len(y), number[user], dtype=np.int64))
+    shapes = {x.shape[1:] for x in xs}
+    if len(shapes) > 1:  # (each user's are checked alone)
+        raise GossipError(f"{kind}: users' samples differ in shape: {sorted(shapes)}")
     return LeafSplit(np.concatenate(xs), np.concatenate(ys), np.concatenate(ws))
 
 
 def _femnist_arrays(kind: str, user: str, data: dict) -> tuple[np.ndarray, np.ndarray]:
     try:
         x = np.asarray(data["x"], dtype=np.float32).reshape(-1, 1, 28, 28)
-        y = np.asarray(data["y"], dtype=np.int64).reshape(-1)
-    except ValueError as e:
+        labels = np.asarray(data["y"], dtype=np.float64).reshape(-1)
+    except (ValueError, TypeError) as e:  # TypeError: a sample that is a mapping
         raise GossipError(f"{kind}: user {user!r}: samples are not 784-pixel images ({e})") from e
+    if not np.isfinite(x).all():  # (null pixels: NaN, then "lower algorithm.lr")
+        raise GossipError(f"{kind}: user {user!r}: pixels that are not numbers (null, NaN)")
+    if (labels != np.round(labels)).any():  # (1.7 was class 1)
+        raise GossipError(f"{kind}: user {user!r}: labels that are not whole numbers")
+    y = labels.astype(np.int64)
     if len(y) and (y.min() < 0 or y.max() >= 62):
         raise GossipError(
             f"{kind}: user {user!r}: labels span {y.min()}..{y.max()}, expected 0..61"
@@ -140,6 +152,10 @@ def _femnist_arrays(kind: str, user: str, data: dict) -> tuple[np.ndarray, np.nd
 
 
 def _shakespeare_arrays(kind: str, user: str, data: dict) -> tuple[np.ndarray, np.ndarray]:
+    if not all(isinstance(s, str) for s in data["x"]):
+        raise GossipError(f"{kind}: user {user!r}: inputs 'x' must be strings")
+    if not all(isinstance(c, str) and len(c) == 1 for c in data["y"]):  # ("" failed, "ab" was a)
+        raise GossipError(f"{kind}: user {user!r}: targets 'y' must be single characters")
     lengths = {len(s) for s in data["x"]}
     if len(lengths) > 1:
         raise GossipError(f"{kind}: user {user!r}: input strings have lengths {sorted(lengths)}")
