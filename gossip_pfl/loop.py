@@ -80,6 +80,20 @@ class RoundLoop:
 
     def check_resumable(self, state: dict, where: str) -> None:
         """A loaded checkpoint can go on under this config: same keys, rounds left."""
+        self.check_config(state, where)
+        done = state["rounds_done"]
+        if done > self.cfg.rounds:
+            raise GossipError(f"{where}: the checkpoint is of round {done}, past rounds = "
+                              f"{self.cfg.rounds} (set rounds above {done} to go on)")  # fmt: skip
+        if done == self.cfg.rounds:
+            raise GossipError(
+                f"{where}: the run already finished its {self.cfg.rounds} rounds "
+                "(raise 'rounds' with --set rounds=N to go on)"
+            )
+
+    def check_config(self, state: dict, where: str) -> None:
+        """The checkpoint was made under this config (runtime settings aside): the keys that
+        differ are named (before the shapes they change: a changed data.n_clients)."""
         from gossip_pfl.checkpoint import config_differences, saved_value
 
         saved, before = state.get("config", {}), self.keys_before()
@@ -89,15 +103,6 @@ class RoundLoop:
             raise GossipError(
                 f"{where}: the checkpoint was made with a different config "
                 f"(keys differ: {', '.join(diffs)}; the checkpoint's: {was})"
-            )
-        done = state["rounds_done"]
-        if done > self.cfg.rounds:
-            raise GossipError(f"{where}: the checkpoint is of round {done}, past rounds = "
-                              f"{self.cfg.rounds} (set rounds above {done} to go on)")  # fmt: skip
-        if done == self.cfg.rounds:
-            raise GossipError(
-                f"{where}: the run already finished its {self.cfg.rounds} rounds "
-                "(raise 'rounds' with --set rounds=N to go on)"
             )
 
     def progress_fields(self, row: dict) -> dict[str, str]:

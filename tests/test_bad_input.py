@@ -144,6 +144,22 @@ def test_settings_that_cannot_run_as_asked(tmp_path, capsys, sets, pattern):
     _one_line_error(capsys, argv, pattern)
 
 
+def test_a_resume_with_other_clients_names_the_key_not_the_shape(tmp_path, capsys):
+    cfg, out = str(ROOT / "configs/synthetic/fedavg.yaml"), str(tmp_path / "run")
+    assert main(["run", cfg, *SMALL, "--quiet", "--no-plots", "--out", out]) == 0
+    argv = ["run", "--resume", out, "--set", "rounds=3", "--set", "data.n_clients=7"]
+    _one_line_error(capsys, argv, r"keys differ: data.n_clients; the checkpoint's: "
+                    r"data.n_clients=6\)$")  # fmt: skip
+
+
+def test_complex_matrices_are_refused_not_cast(tmp_path, capsys):
+    np.save(tmp_path / "a.npy", np.ones((3, 3)) + 1j)
+    np.savez(tmp_path / "w.npz", W=np.full((1, 3, 3), 1 / 3) + 0j)
+    for name, what in (("a.npy", "adjacency matrix"), ("w.npz", "W")):
+        argv = ["topology", "describe", str(tmp_path / name)]
+        _one_line_error(capsys, argv, f"{what} must be real, got complex numbers")
+
+
 def test_a_dataset_folder_must_be_a_path(tmp_path, capsys):
     argv = ["run", str(ROOT / "configs/fashion_mnist/fedavg.yaml"), "--set", "data.root=[a]",
             "--out", str(tmp_path / "run")]  # fmt: skip

@@ -178,3 +178,14 @@ def test_cifar_bytes_that_break_the_unpickler_are_one_line(tmp_path):
         (folder / name).write_bytes(b"\x80\x04\x8e" + b"\xff" * 8)
     with pytest.raises(GossipError, match="cannot unpickle .*train"):
         images.load_cifar100(tmp_path)
+
+
+def test_a_fraction_that_keeps_fewer_samples_than_clients_names_it(tmp_path, monkeypatch):
+    central = images.CentralData("fashion_mnist", np.zeros((7, 1, 4, 4), np.float32),
+                                 np.arange(7) % 2, np.zeros((3, 1, 4, 4), np.float32),
+                                 np.arange(3) % 2, 2)  # fmt: skip
+    monkeypatch.setattr(images, "load_fashion_mnist", lambda root: central)
+    with pytest.raises(GossipError, match="n_clients 4 is more than the 2 samples that fraction"):
+        load_dataset("fashion_mnist", n_clients=4, fraction=0.2)
+    with pytest.raises(GossipError, match="fraction 0.01 of 10 samples keeps none"):
+        load_dataset("fashion_mnist", n_clients=4, fraction=0.01)

@@ -27,6 +27,15 @@ class TopologyError(ValueError):
     """Bad topology input. The message is one line that names the problem."""
 
 
+def _complex(x) -> bool:
+    """Whether ``x`` holds complex numbers (False where numpy cannot read it: the cast that
+    follows names that)."""
+    try:
+        return bool(np.iscomplexobj(x))
+    except (TypeError, ValueError, AttributeError):  # ragged lists, mappings
+        return False
+
+
 def _npy_why(err: BaseException) -> str:
     """Why numpy could not read a .npy or .npz file, for a user: an empty file says "No data
     left in file", and a file of other bytes names numpy's pickle option, which the loaders

@@ -14,7 +14,7 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 
-from topologies._base import TopologyError, _is_int, _npy_why
+from topologies._base import TopologyError, _complex, _is_int, _npy_why
 
 __all__ = [
     "GRAPH_FAMILIES",
@@ -389,6 +389,8 @@ def from_adjacency(adjacency, *, directed: bool | None = None) -> nx.Graph:
     >>> sorted(from_adjacency(a).edges())
     [(0, 1), (0, 2)]
     """
+    if _complex(adjacency):  # (float() dropped the imaginary part with a warning)
+        raise TopologyError("adjacency matrix must be real, got complex numbers")
     try:
         a = np.asarray(adjacency, dtype=float)
     except (TypeError, ValueError) as e:  # strings, objects

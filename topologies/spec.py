@@ -493,6 +493,8 @@ def load_npz(path: str | Path) -> _s.PeriodicSchedule:
         with np.load(p, allow_pickle=False) as data:
             if "W" not in data:
                 raise TopologyError(f"{p}: no array 'W' (found {', '.join(data.files)})")
+            if np.iscomplexobj(data["W"]):  # (float() dropped the imaginary part, warned)
+                raise TopologyError(f"{p}: W must be real, got complex numbers")
             w = np.asarray(data["W"], dtype=float)
             labels = data["labels"].tolist() if "labels" in data else None
     except TopologyError:  # a ValueError too: its message is whole

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from topologies._base import MixingSchedule, TopologyError
+from topologies._base import MixingSchedule, TopologyError, _complex
 
 __all__ = [
     "check_square",
@@ -32,6 +32,8 @@ def check_square(w) -> np.ndarray:
     ...
     topologies._base.TopologyError: matrix must be square, got shape (2, 3)
     """
+    if _complex(w):  # (float() dropped the imaginary part with a warning)
+        raise TopologyError("matrix must be real, got complex numbers")
     try:
         a = np.asarray(w, dtype=float)
     except (TypeError, ValueError):  # strings, ragged lists, mappings

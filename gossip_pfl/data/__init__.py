@@ -128,6 +128,11 @@ def _image_dataset(dataset: str, reader, **given: Any) -> FederatedDataset:
     x = np.concatenate([central.x_train, central.x_test])
     y = np.concatenate([central.y_train, central.y_test])
     x, y = _subsample(dataset, x, y, opts["fraction"], opts["seed"])
+    if opts["n_clients"] > len(y):
+        raise GossipError(
+            f"{dataset}: n_clients {opts['n_clients']} is more than the {len(y):,} samples "
+            f"that fraction {opts['fraction']} keeps"
+        )
     parts = getattr(partition, kind)(y, opts["n_clients"], seed=opts["seed"], **params)
     return partition.build_federated(
         x,
@@ -147,7 +152,10 @@ def _subsample(dataset: str, x, y, fraction: float, seed: int):
         raise GossipError(f"{dataset}: fraction must be in (0, 1], got {fraction}")
     if fraction == 1:
         return x, y
-    keep = np.random.default_rng([seed, 0xF4AC]).permutation(len(y))[: round(fraction * len(y))]
+    kept = round(fraction * len(y))
+    if kept == 0:  # (said as "n_clients 4 exceeds the number of samples 0")
+        raise GossipError(f"{dataset}: fraction {fraction} of {len(y):,} samples keeps none")
+    keep = np.random.default_rng([seed, 0xF4AC]).permutation(len(y))[:kept]
     keep.sort()
     return x[keep], y[keep]
 
