@@ -53,13 +53,17 @@ def default_config() -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gossip_pfl.rundir import RunStopped, check_out_dir
+    from gossip_pfl.rundir import RunStopped, check_out_dir, is_peer_run
 
     overrides = list(args.overrides) + ([f"out={args.out}"] if args.out else [])
     if args.resume:
         if args.out and Path(args.out).resolve() != Path(args.resume).resolve():
             raise GossipError(f"--resume {args.resume} continues the run in its own folder; "
                               f"drop --out {args.out}")  # fmt: skip
+        if is_peer_run(Path(args.resume)):  # (said: config file not found)
+            raise GossipError(f"--resume {args.resume}: a peer-to-peer run (peers-local), whose "
+                              "processes each resume with gossip-pfl peer ... --resume "
+                              "(docs/p2p.md)")  # fmt: skip
         # the run's own resolved config, unless one is given (then it must match the checkpoint)
         source = args.config or str(Path(args.resume) / "config.yaml")
         cfg = load_config(source, overrides + [f"out={args.resume}"])

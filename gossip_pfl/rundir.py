@@ -95,6 +95,11 @@ def write(path: Path, action) -> None:
         raise GossipError(f"out: could not write {path} ({err.strerror or err})") from None
 
 
+def is_peer_run(folder: Path) -> bool:
+    """A ``peers-local`` run's folder: its peers file and each process's own folder."""
+    return (folder / "peers.yaml").is_file() and (folder / "peers").is_dir()
+
+
 def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
     """Before any data is built: the output folder is not a file, can be created or written,
     and holds no other run unless resuming it or told to overwrite it."""
@@ -115,9 +120,11 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
             f for f in ("metrics.jsonl", "summary.json", CHECKPOINT_FILE) if (out / f).exists()
         ]
         if found and not overwrite:
+            # a peers-local run's processes resume one by one (gossip-pfl peer ... --resume)
+            go_on = "" if is_peer_run(out) else f", continue it with --resume {out},"
             raise GossipError(
-                f"out: {out} holds another run ({', '.join(found)}); choose another --out, "
-                f"continue it with --resume {out}, or replace it with --overwrite"
+                f"out: {out} holds another run ({', '.join(found)}); choose another --out"
+                f"{go_on} or replace it with --overwrite"
             )
         if found and int(os.environ.get("RANK", 0)) == 0:  # a stop must not resume the old run
             (out / CHECKPOINT_FILE).unlink(missing_ok=True)

@@ -160,6 +160,19 @@ def test_complex_matrices_are_refused_not_cast(tmp_path, capsys):
         _one_line_error(capsys, argv, f"{what} must be real, got complex numbers")
 
 
+def test_a_peer_to_peer_folder_is_not_offered_to_run_resume(tmp_path, capsys):
+    """`run --out` on a peers-local folder offered --resume, which then said its config file
+    was not found."""
+    (tmp_path / "peers" / "0").mkdir(parents=True)
+    (tmp_path / "peers.yaml").write_text("0: 127.0.0.1:5000\n")
+    (tmp_path / "summary.json").write_text("{}")
+    cfg = str(ROOT / "configs/synthetic/fedavg.yaml")
+    taken = r"holds another run \(summary.json\); choose another --out or replace"
+    _one_line_error(capsys, ["run", cfg, "--out", str(tmp_path)], taken)
+    peers = r"a peer-to-peer run \(peers-local\), whose processes each resume"
+    _one_line_error(capsys, ["run", "--resume", str(tmp_path)], peers)
+
+
 def test_a_dataset_folder_must_be_a_path(tmp_path, capsys):
     argv = ["run", str(ROOT / "configs/fashion_mnist/fedavg.yaml"), "--set", "data.root=[a]",
             "--out", str(tmp_path / "run")]  # fmt: skip
