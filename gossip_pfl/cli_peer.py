@@ -87,7 +87,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from gossip_pfl.runtime.zmq_comm import Faults, ZmqComm, read_peers
 
     read_yaml(args.config)  # a missing or malformed config fails here, naming it
-    cfg = load_config(args.config, [*args.overrides, "runtime.transport=zmq"])
+    # (a restarted process resumes its run: its config is left as it started)
+    unread = not args.resume
+    cfg = load_config(args.config, [*args.overrides, "runtime.transport=zmq"], unread=unread)
     _check_workload(cfg)
     run_dir = Path(args.out or cfg.out)
     rt = cfg.runtime
@@ -101,7 +103,8 @@ def cmd_peer(args: argparse.Namespace) -> int:
         if kill["id"] not in table:
             raise GossipError(f"runtime.faults.kill: id {kill['id']} is not in peers file {source}")
     out = run_dir / "peers" / str(args.id)
-    cfg = load_config(args.config, [*args.overrides, "runtime.transport=zmq", f"out={out}"])
+    overrides = [*args.overrides, "runtime.transport=zmq", f"out={out}"]
+    cfg = load_config(args.config, overrides, unread=unread)
     check_out_dir(out, args.resume, args.overwrite)
     dataset = load_dataset(cfg.data.name, **cfg.data.options)
     n = _training_peers(dataset)

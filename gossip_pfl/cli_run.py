@@ -66,7 +66,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                               "(docs/p2p.md)")  # fmt: skip
         # the run's own resolved config, unless one is given (then it must match the checkpoint)
         source = args.config or str(Path(args.resume) / "config.yaml")
-        cfg = load_config(source, overrides + [f"out={args.resume}"])
+        cfg = load_config(source, overrides + [f"out={args.resume}"], unread=False)
     elif args.config:
         read_yaml(args.config)  # a missing or malformed file fails here, naming it
         cfg = load_config(args.config, overrides)

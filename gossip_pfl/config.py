@@ -367,9 +367,13 @@ def read_yaml(path: str | Path) -> dict:
 
 
 def load_config(
-    path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None
+    path: str | Path | None = None,
+    overrides: list[str] = (),
+    base: dict | None = None,
+    unread: bool = True,
 ) -> RunConfig:
-    """Defaults, then ``base`` (an embedded config) or the file at ``path``, then overrides."""
+    """Defaults, then ``base`` (an embedded config) or the file at ``path``, then overrides;
+    checked (:func:`validate`; ``unread`` False for a resume)."""
     data = dict(base or {})
     if path is not None:
         data = read_yaml(path)
@@ -387,7 +391,7 @@ def load_config(
             data["runtime"] = {**data["runtime"], "peers": str(Path(path).parent / peers)}
     data = apply_overrides(data, list(overrides))
     cfg = from_dict(RunConfig, data)
-    validate(cfg)
+    validate(cfg, unread)
     return cfg
 
 
@@ -399,10 +403,15 @@ def _changed(section: str, value, default) -> str:
 
 def _check_read(cfg: RunConfig, spec) -> None:
     """A key set for another rule or solver went unheeded (rule.lr under FedAvg's average ran
-    FedAvg to the bit): the rule's own keys, the line search's, FedProx's mu."""
+    FedAvg to the bit): the rule's own keys, the line search's, FedProx's mu, PeFLL's."""
     from gossip_pfl.algorithms import RULE_KEYS
 
     a, rule = cfg.algorithm, cfg.rule.name or spec.rule
+    if spec.workload != "pefll" and (given := _changed("pefll", cfg.pefll, PeFLLConfig())):
+        raise GossipError(f"config key(s) {given} are for algorithm 'pefll'; '{a.name}' does "
+                          "not read them")  # fmt: skip
+    if spec.workload != "model":
+        return
     reads = RULE_KEYS.get(rule)  # (None: an unknown name, refused where the rule is built)
     changed = [k for k, v in vars(cfg.rule).items() if k != "name" and v != getattr(RuleConfig, k)]
     unread = [k for k in changed if reads is not None and k not in reads]
@@ -424,8 +433,10 @@ def _check_read(cfg: RunConfig, spec) -> None:
                           "proximal term (fedprox and pfedme read it)")  # fmt: skip
 
 
-def validate(cfg: RunConfig) -> None:
-    """Cross-field checks that need no data, with the key to change in the message."""
+def validate(cfg: RunConfig, unread: bool = True) -> None:
+    """Cross-field checks that need no data, with the key to change in the message; with
+    ``unread``, keys set that the run does not read too (a resume leaves them: its
+    checkpoint's config may hold one from before this check, and must not change)."""
     from gossip_pfl.algorithms import ALGORITHMS, get_algorithm
 
     a, r, ls = cfg.algorithm, cfg.rule, cfg.line_search
@@ -511,10 +522,7 @@ def validate(cfg: RunConfig) -> None:
     if spec.workload != "model" and (given := _changed("rule", cfg.rule, RuleConfig())):
         raise GossipError(f"config key(s) {given}: rules are for the model workloads; "
                           f"'{a.name}' has its own server step")  # fmt: skip
-    if spec.workload != "pefll" and (given := _changed("pefll", cfg.pefll, PeFLLConfig())):
-        raise GossipError(f"config key(s) {given} are for algorithm 'pefll'; '{a.name}' does "
-                          "not read them")  # fmt: skip
-    if spec.workload == "model":
+    if unread:
         _check_read(cfg, spec)
     if spec.workload == "expfam":  # the EM reads expfam.*: data.* and model.* go unheeded
         for key, value, default in (("data", cfg.data, DataConfig()),

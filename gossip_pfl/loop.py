@@ -91,11 +91,14 @@ class RoundLoop:
                 "(raise 'rounds' with --set rounds=N to go on)"
             )
 
-    def check_config(self, state: dict, where: str) -> None:
+    def check_config(self, state: object, where: str) -> None:
         """The checkpoint was made under this config (runtime settings aside): the keys that
-        differ are named (before the shapes they change: a changed data.n_clients)."""
+        differ are named, before the shapes they change (a changed data.n_clients) are checked
+        (a state of another form is left to the structure check)."""
         from gossip_pfl.checkpoint import config_differences, saved_value
 
+        if not (isinstance(state, dict) and isinstance(state.get("config", {}), dict)):
+            return
         saved, before = state.get("config", {}), self.keys_before()
         diffs = config_differences(saved, to_dict(self.cfg), before)
         if diffs:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import math
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -459,8 +460,10 @@ def check_model_reads(name: str, dataset) -> None:
     """The model reads the dataset's kind of input: token ids (Shakespeare) only the LSTM,
     which reads nothing else (numbers cast to ids would train on all-zero tokens)."""
     tokens = dataset.meta.get("input_kind") == "tokens"
-    x = dataset.clients[0].x_train if dataset.clients else None
-    if name == "lstm" and not (tokens or (x is not None and x.dtype.kind in "iu")):
+    x = np.asarray(dataset.clients[0].x_train) if dataset.clients else np.zeros(0, np.int64)
+    # ids: integers, or floats that hold whole numbers (a user's own arrays)
+    ids = x.dtype.kind in "iu" or (x.dtype.kind == "f" and bool((x == np.round(x)).all()))
+    if name == "lstm" and not (tokens or ids):
         raise GossipError(
             f"model.name 'lstm' reads token ids (data.name 'shakespeare'); data.name "
             f"{dataset.name!r} has inputs of shape {tuple(dataset.input_shape)}"

@@ -1266,8 +1266,7 @@ class Trainer(RoundLoop):
         """Load RUN_DIR/checkpoint.pt into this rank's peers; returns (first round, rows)."""
         state = checkpoint.load(out)  # digest checked: altered or truncated files stop here
         where = f"--resume {out}"
-        if isinstance(state, dict) and isinstance(state.get("config"), dict):
-            self.check_config(state, where)  # a changed key, named before the shapes it changes
+        self.check_config(state, where)  # a changed key, named before the shapes it changes
         # keys, shapes, peer count and components, before any of this rank's state is touched
         checkpoint.check_structure(state, self.n_peers, tuple(self.nodes.shape[1:]), where=where)
         self.check_resumable(state, where)

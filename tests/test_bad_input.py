@@ -45,7 +45,7 @@ def _files(tmp_path: Path) -> dict[str, Path]:
         ("cut.npz", r"cut\.npz: not a readable \.npz file \(File is not a zip file\)"),
         ("empty.npz", r"empty\.npz: not a readable \.npz file \(the file is empty\)"),
         ("empty.npy", r"empty\.npy: not a readable \.npy array \(the file is empty\)"),
-        ("garbage.npy", r"garbage\.npy: .*not an array written by numpy's save or savez"),
+        ("garbage.npy", r"garbage\.npy: .*not an array of numbers written by numpy's save"),
     ],
 )
 def test_broken_matrix_and_graph_files(tmp_path, capsys, name, pattern):
@@ -64,6 +64,11 @@ def test_a_graph_file_where_a_schedule_file_goes_says_where_it_goes(tmp_path, ca
     for name, key in [("ring.graphml", "graph: FILE"), ("empty.npz", "time_varying: ")]:
         argv = ["run", cfg, *SMALL, "--set", f"schedule={files[name]}", "--out", str(tmp_path)]
         _one_line_error(capsys, argv, f"is not a schedule file .*{re.escape(key)}")
+
+
+def test_a_missing_graph_file_is_said_missing(tmp_path, capsys):
+    argv = ["topology", "describe", str(tmp_path / "typo.npz")]
+    _one_line_error(capsys, argv, r"not found: .*typo\.npz$")
 
 
 def test_an_empty_fmmc_cache_file_is_solved_again(tmp_path):
@@ -102,10 +107,23 @@ def test_runs_refused_before_training(tmp_path, capsys, sets, pattern):
         (["pefll.lr=0.1"], r"pefll.lr are for algorithm 'pefll'"),
     ],
 )
-def test_keys_no_part_of_the_run_reads_are_refused(capsys, sets, pattern):
+def test_keys_no_part_of_the_run_reads_are_refused(tmp_path, capsys, sets, pattern):
     """Each ran FedAvg to the bit, the key unheeded."""
-    argv = ["run", str(ROOT / "configs/synthetic/fedavg.yaml"), "--set", "rounds=1"]
+    argv = ["run", str(ROOT / "configs/synthetic/fedavg.yaml"), *SMALL, "--out", str(tmp_path)]
     _one_line_error(capsys, argv + [x for s in sets for x in ("--set", s)], pattern)
+
+
+def test_a_run_made_before_the_unread_keys_check_resumes(tmp_path, monkeypatch):
+    """Its checkpoint's config holds the key, which a resume must not change."""
+    from gossip_pfl import config
+
+    cfg, out = str(ROOT / "configs/synthetic/fedavg.yaml"), str(tmp_path / "run")
+    argv = ["run", cfg, *SMALL, "--set", "rule.lr=5", "--quiet", "--no-plots", "--out", out]
+    with monkeypatch.context() as m:
+        m.setattr(config, "_check_read", lambda cfg, spec: None)  # as before the check
+        assert main(argv) == 0
+    assert main(["run", "--resume", out, "--set", "rounds=2", "--quiet", "--no-plots"]) == 0
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["rounds"] == 2
 
 
 def test_keys_the_run_reads_are_taken(tmp_path):
@@ -173,6 +191,20 @@ def test_a_peer_to_peer_folder_is_not_offered_to_run_resume(tmp_path, capsys):
     _one_line_error(capsys, ["run", "--resume", str(tmp_path)], peers)
 
 
+def test_the_lstm_takes_token_ids_stored_as_floats(tmp_path):
+    """A user's own arrays (ids as float32) trained before the check; they still do."""
+    from gossip_pfl.data.base import ClientData, FederatedDataset
+    from gossip_pfl.models import check_model_reads
+
+    x = np.arange(24, dtype=np.float32).reshape(6, 4) % 5
+    y = x[:, -1].astype(np.int64)
+    data = FederatedDataset("mine", [ClientData(x, y, x[:0], y[:0], x, y)], (4,), 5, "multiclass")
+    check_model_reads("lstm", data)
+    data.clients[0].x_train[0, 0] = 0.5  # not an id
+    with pytest.raises(GossipError, match="reads token ids"):
+        check_model_reads("lstm", data)
+
+
 def test_a_dataset_folder_must_be_a_path(tmp_path, capsys):
     argv = ["run", str(ROOT / "configs/fashion_mnist/fedavg.yaml"), "--set", "data.root=[a]",
             "--out", str(tmp_path / "run")]  # fmt: skip
@@ -183,6 +215,9 @@ def test_thread_counts_past_the_cores_are_refused(monkeypatch):
     monkeypatch.setattr(threads, "available_cores", lambda: 2)
     with pytest.raises(GossipError, match=r"runtime.threads 9 is more than 4 x the 2 .*\(8\)"):
         threads.set_threads(9)
+    monkeypatch.setenv("OMP_NUM_THREADS", "100000")
+    with pytest.raises(GossipError, match=r"^OMP_NUM_THREADS 100000 is more than 4 x the 2"):
+        threads.set_threads(0)
 
 
 def test_export_refuses_more_rounds_than_memory_holds(tmp_path, capsys, monkeypatch):

@@ -189,3 +189,13 @@ def test_a_fraction_that_keeps_fewer_samples_than_clients_names_it(tmp_path, mon
         load_dataset("fashion_mnist", n_clients=4, fraction=0.2)
     with pytest.raises(GossipError, match="fraction 0.01 of 10 samples keeps none"):
         load_dataset("fashion_mnist", n_clients=4, fraction=0.01)
+
+
+def test_a_pickle_naming_a_module_that_is_not_there_is_one_line(tmp_path):
+    """A one-byte change in numpy's module name raised ModuleNotFoundError."""
+    folder = tmp_path / "cifar-100-python"
+    folder.mkdir()
+    for name in ("train", "test"):
+        (folder / name).write_bytes(b"\x80\x02cnumpy.core.multiarruy\n_reconstruct\nq\x00.")
+    with pytest.raises(GossipError, match="cannot unpickle .*ModuleNotFoundError"):
+        images.load_cifar100(tmp_path)

@@ -118,3 +118,13 @@ def test_malformed_leaf_files_are_one_line_errors(tmp_path, kind, users, message
         (tmp_path / split / "a.json").write_text(json.dumps({"user_data": users}))
     with pytest.raises(GossipError, match=message):
         leaf.load_leaf(tmp_path, kind)
+
+
+def test_a_user_without_samples_in_a_split_is_left_out(tmp_path):
+    """(Shakespeare's reshape of no sample was a traceback.)"""
+    users = {"u": {"x": ["ab", "cd"], "y": ["c", "e"]}, "v": {"x": [], "y": []}}
+    _write(tmp_path, "train", "a.json", users)
+    _write(tmp_path, "test", "a.json", {"u": {"x": [], "y": []}, "v": {"x": ["ab"], "y": ["z"]}})
+    data = leaf.load_leaf(tmp_path, "shakespeare")
+    assert data.train.x.shape == (2, 2) and data.test.x.shape == (1, 2)
+    assert data.train.writer.tolist() == [0, 0] and data.test.writer.tolist() == [1]

@@ -42,7 +42,7 @@ def _npy_why(err: BaseException) -> str:
     keep off on purpose (a file's pickle would run code)."""
     text = str(err) or type(err).__name__
     if "allow_pickle" in text:
-        return "not an array written by numpy's save or savez"
+        return "not an array of numbers written by numpy's save or savez"
     return "the file is empty" if isinstance(err, EOFError) else text
 
 

@@ -385,7 +385,8 @@ def load_schedule(path: str | Path) -> MixingSchedule:
     3
     """
     p = Path(path)
-    check_not_data_file(p)
+    if p.is_file():  # (a missing one: "not found", below)
+        check_not_data_file(p)
     spec = read_mapping(p, "schedule file")
     if not spec:
         raise TopologyError(f"{p}: expected a mapping of keys ({', '.join(KNOWN_KEYS)})")
@@ -493,9 +494,10 @@ def load_npz(path: str | Path) -> _s.PeriodicSchedule:
         with np.load(p, allow_pickle=False) as data:
             if "W" not in data:
                 raise TopologyError(f"{p}: no array 'W' (found {', '.join(data.files)})")
-            if np.iscomplexobj(data["W"]):  # (float() dropped the imaginary part, warned)
+            raw = data["W"]  # (each read unzips it)
+            if np.iscomplexobj(raw):  # (float() dropped the imaginary part, warned)
                 raise TopologyError(f"{p}: W must be real, got complex numbers")
-            w = np.asarray(data["W"], dtype=float)
+            w = np.asarray(raw, dtype=float)
             labels = data["labels"].tolist() if "labels" in data else None
     except TopologyError:  # a ValueError too: its message is whole
         raise

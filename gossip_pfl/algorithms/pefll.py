@@ -536,6 +536,7 @@ class PeFLLRun(RoundLoop):
     def restore(self, out: Path) -> tuple[int, list]:
         where = f"--resume {out}"
         state = checkpoint.load(out)
+        self.check_config(state, where)  # a changed key, named before the shapes it changes
         checkpoint.check_structure(state, self.n_peers, (), CHECKPOINT_KEYS, where=where)
         hub = state["hub"]
         fresh = self.hub.init(self.hyper.initial(), self.embed.initial())

@@ -123,10 +123,14 @@ def _pool(kind: str, raw: dict[str, dict], number: dict[str, int], convert) -> L
         raise GossipError(f"{kind}: a split's JSON files hold no user (empty 'user_data')")
     xs, ys, ws = [], [], []
     for user, data in raw.items():
+        if not data["x"]:  # (no sample in this split: nothing to add, and no shape to give)
+            continue
         x, y = convert(kind, user, data)
         xs.append(x)
         ys.append(y)
         ws.append(np.full(len(y), number[user], dtype=np.int64))
+    if not xs:
+        raise GossipError(f"{kind}: a split's JSON files hold no sample")
     shapes = {x.shape[1:] for x in xs}
     if len(shapes) > 1:  # (each user's are checked alone)
         raise GossipError(f"{kind}: users' samples differ in shape: {sorted(shapes)}")

@@ -63,16 +63,17 @@ def set_threads(threads: int = 0) -> str:
     """Set torch's intra-op threads (``threads`` > 0, else the default above); returns how the
     count was chosen, for the run's first log line."""
     how = "runtime.threads"
+    if threads <= 0:
+        threads, how = default_threads()
     cores = available_cores()
     if threads > MAX_THREADS_PER_CORE * cores:  # 100,000 threads crashed the process
+        key = "runtime.threads" if how == "runtime.threads" else how  # (or OMP_NUM_THREADS)
         raise GossipError(
-            f"runtime.threads {threads} is more than {MAX_THREADS_PER_CORE} x the {cores} "
-            f"core(s) this process may use ({MAX_THREADS_PER_CORE * cores}); 0 picks a count"
+            f"{key} {threads} is more than {MAX_THREADS_PER_CORE} x the {cores} core(s) this "
+            f"process may use ({MAX_THREADS_PER_CORE * cores}); runtime.threads 0 picks a count"
         )
     import torch  # here: this module answers the host's questions without loading torch
 
-    if threads <= 0:
-        threads, how = default_threads()
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     return f"{threads} thread(s) ({how})"
