@@ -14,6 +14,9 @@ from topologies import schedules as S
 
 SCHEDULES = {
     "static ring": lambda: S.graph_schedule(6, "ring"),
+    "random": lambda: S.RandomSchedule(6, "erdos_renyi", {"p": 0.5}, seed=1),
+    "matching": lambda: S.MatchingSchedule(6),
+    "periodic": lambda: S.PeriodicSchedule([S.graph_schedule(6, "ring")] * 2),
     "one-peer exponential": lambda: S.OnePeerExponentialSchedule(6),
     "server": lambda: S.ServerSchedule(6),
     "explicit": lambda: A.ExplicitSchedule([np.full((6, 6), 1 / 6)]),
@@ -28,8 +31,11 @@ def test_neighbors_and_matrix_check_the_peer_and_round(name):
     for i in (-1, 6, None, 1.0):
         with pytest.raises(T.TopologyError, match=r"peer i must be in 0\.\.5"):
             s.neighbors(0, i)
-    with pytest.raises(T.TopologyError, match="round t must be an int >= 0"):
-        s.matrix(-1)
+    # a negative, fractional or huge round was a NumPy error (a seed, an index, an overflow)
+    for t in (-1, 1.5, 2**70, None):
+        for call in (s.matrix, s.phases, s.messages, lambda t: s.neighbors(t, 0)):
+            with pytest.raises(T.TopologyError, match=r"round t must be an int in \[0, 2\*\*48\)"):
+                call(t)
     idx, w, self_w = s.neighbors(0, 5)  # the last peer is still fine
     np.testing.assert_allclose(s.matrix(0)[5, idx], w)
     assert s.matrix(0)[5, 5] == pytest.approx(self_w)

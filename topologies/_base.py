@@ -81,6 +81,10 @@ class Phase:
         return Phase(w.shape[0], rows.astype(np.int64), cols.astype(np.int64), w[rows, cols])
 
 
+#: rounds are below this (the seeds' and draws' 64-bit integers stay in range)
+MAX_ROUND = 2**48
+
+
 class MixingSchedule(ABC):
     """A sequence of mixing matrices ``W_0, W_1, ...`` over ``n`` peers with random access.
 
@@ -122,8 +126,8 @@ class MixingSchedule(ABC):
     def _check_access(self, t, *i) -> None:
         """A round ``t`` is an int >= 0 and a peer ``i`` (when given) one of 0..n-1 (a negative
         i read another peer's row through NumPy's indexing; one past n, a made-up peer)."""
-        if not _is_int(t) or t < 0:
-            raise TopologyError(f"round t must be an int >= 0, got {t!r}")
+        if not _is_int(t) or not 0 <= t < MAX_ROUND:  # (past it the draws' ints overflow)
+            raise TopologyError(f"round t must be an int in [0, 2**48), got {t!r}")
         if i and not (_is_int(i[0]) and 0 <= i[0] < self.n):
             raise TopologyError(f"peer i must be in 0..{self.n - 1}, got {i[0]!r}")
 

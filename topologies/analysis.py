@@ -70,6 +70,7 @@ class ExplicitSchedule(MixingSchedule):
         self._mats = mats
 
     def phases(self, t: int) -> list[Phase]:
+        self._check_access(t)
         return [self._phases[t % self.period]]
 
     def matrix(self, t: int) -> np.ndarray:

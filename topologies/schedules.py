@@ -103,6 +103,7 @@ class _RowSchedule(MixingSchedule):
         return cached[1]
 
     def phases(self, t: int) -> list[Phase]:
+        self._check_access(t)
         return [self._rows(t).phase()]
 
     def neighbors(self, t: int, i: int) -> tuple[np.ndarray, np.ndarray, float]:
@@ -297,6 +298,7 @@ class PeriodicSchedule(MixingSchedule):
         return self.items[t % length], t // length
 
     def phases(self, t: int) -> list[Phase]:
+        self._check_access(t)
         item, local = self._item(t)
         return item.phases(local)
 
@@ -311,6 +313,7 @@ class PeriodicSchedule(MixingSchedule):
         return item.neighbors(local, i)
 
     def messages(self, t: int) -> int:
+        self._check_access(t)
         item, local = self._item(t)
         return item.messages(local)
 
@@ -506,6 +509,7 @@ class LinkFailureSchedule(MixingSchedule):
         return np.add.reduceat(moved, starts)
 
     def phases(self, t: int) -> list[Phase]:
+        self._check_access(t)
         fail = _edge_uniform(self.seed, t, self._rows_, self._cols) < self.q
         diag = self._diag.copy()
         nonempty = self._indptr[:-1] < self._indptr[1:]
@@ -573,6 +577,7 @@ class OnePeerExponentialSchedule(MixingSchedule):
         return 0 if self.n == 1 else 2 ** (t % self.period)
 
     def phases(self, t: int) -> list[Phase]:
+        self._check_access(t)
         i = np.arange(self.n, dtype=np.int64)
         if self.n == 1:
             return [Phase(1, i, i, np.ones(1))]
@@ -590,6 +595,7 @@ class OnePeerExponentialSchedule(MixingSchedule):
         return np.array([(i - self.shift(t)) % self.n]), np.array([0.5]), 0.5
 
     def messages(self, t: int) -> int:
+        self._check_access(t)
         return 0 if self.n == 1 else self.n
 
     def __repr__(self) -> str:
@@ -867,6 +873,7 @@ class ServerSchedule(MixingSchedule):
         return self.p[s] / self.p[s].sum()
 
     def phases(self, t: int) -> list[Phase]:
+        self._check_access(t)
         s = self.participants(t)
         hub = self.n if self.hub == "aggregator" else 0
         size = self.n + 1 if self.hub == "aggregator" else self.n
