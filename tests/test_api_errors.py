@@ -130,3 +130,24 @@ def test_npz_errors_are_not_wrapped_twice(tmp_path):
     with pytest.raises(T.TopologyError) as err:
         T.spec.load_npz(tmp_path / "x.npz")
     assert str(err.value) == f"{tmp_path / 'x.npz'}: no array 'W' (found X)"
+
+
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        # each was NumPy's or Python's own error (a seed, a shape, a comparison with None)
+        (lambda s: A.consensus_run(s, 5, dim=-1), r"dim must be an int >= 1, got -1"),
+        (lambda s: A.consensus_run(s, 5, dim=1.5), r"dim must be an int >= 1, got 1.5"),
+        (lambda s: A.consensus_run(s, 5, seed=-1), r"seed must be an int >= 0, got -1"),
+        (lambda s: A.estimate_p(s, 2, trials=None), r"trials must be an int >= 1, got None"),
+        (lambda s: A.estimate_p(s, 1.5), r"tau must be an int >= 1, got 1.5"),
+        (lambda s: A.window_contraction(s, 1.5), r"tau must be an int >= 1, got 1.5"),
+        (lambda s: A.describe(s, horizon=10, trials=1.5), r"trials must be an int >= 1"),
+        (lambda s: A.describe(s, horizon=10, seed=-1), r"seed must be an int >= 0"),
+        (lambda s: A.check_mixing(s, None), r"horizon must be a positive number of rounds"),
+        (lambda s: T.validate_schedule(s, 1.5), r"rounds must be an int >= 1, got 1.5"),
+    ],
+)
+def test_analysis_arguments_are_checked(call, message):
+    with pytest.raises(T.TopologyError, match=message):
+        call(S.graph_schedule(6, "ring"))

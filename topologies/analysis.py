@@ -197,6 +197,14 @@ def _check_horizon(horizon: int) -> None:
         raise TopologyError(f"horizon must be a positive number of rounds, got {horizon}")
 
 
+def _check_counts(least: int = 1, **counts) -> None:
+    """Each keyword is an int >= ``least`` (a float or None was NumPy's or Python's own
+    error, a negative seed numpy's)."""
+    for name, value in counts.items():
+        if not _is_int(value) or value < least:
+            raise TopologyError(f"{name} must be an int >= {least}, got {value!r}")
+
+
 # --------------------------------------------------------------------------- connectivity
 
 
@@ -362,8 +370,7 @@ def window_contraction(schedule: MixingSchedule, tau: int, windows: int = 1) -> 
     >>> window_contraction(ExplicitSchedule([I, A]), tau=1, windows=2)
     1.0
     """
-    if tau < 1 or windows < 1:
-        raise TopologyError(f"tau and windows must be positive, got tau={tau}, windows={windows}")
+    _check_counts(tau=tau, windows=windows)
     return max(rho(_window_product(schedule, l * tau, tau)) for l in range(windows))
 
 
@@ -402,8 +409,8 @@ def estimate_p(schedule: MixingSchedule, tau: int, trials: int = 20, seed: int =
     >>> round(estimate_p(ExplicitSchedule([ring]), tau=1), 6)  # 1 - (1/3)**2
     0.888889
     """
-    if tau < 1 or trials < 1:
-        raise TopologyError(f"tau and trials must be positive, got tau={tau}, trials={trials}")
+    _check_counts(tau=tau, trials=trials)
+    _check_counts(0, seed=seed)
     if not schedule.is_random:
         c = window_contraction(schedule, tau, _distinct_windows(schedule, tau, trials))
         return 1.0 - c**2
@@ -558,6 +565,8 @@ def consensus_run(
     """
     if not _is_int(rounds) or rounds < 0:
         raise TopologyError(f"rounds must be an int >= 0, got {rounds!r}")
+    _check_counts(dim=dim)
+    _check_counts(0, seed=seed)
     n = schedule.n
     if x0 is None:
         x = np.random.default_rng(seed).standard_normal((n, dim))
@@ -631,6 +640,8 @@ def describe(schedule: MixingSchedule, horizon: int = 100, trials: int = 20, see
     (3, 1, 6.0, 2, 0.0)
     """
     _check_horizon(horizon)
+    _check_counts(trials=trials)
+    _check_counts(0, seed=seed)
     props, max_degree = _scan(schedule, horizon, _TOL)
     tau = connectivity_tau(schedule, horizon)
     contraction = p = None
@@ -712,6 +723,7 @@ def check_mixing(schedule: MixingSchedule, horizon: int = 100) -> None:
     ...
     topologies._base.TopologyError: schedule ... never connects all 3 peers within 100 rounds ...
     """
+    _check_horizon(horizon)
     n, h = schedule.n, min(horizon, schedule.period or horizon)
     if n > 1 and connectivity_tau(schedule, horizon) is None:
         parts = union_components(schedule, horizon)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from topologies._base import MixingSchedule, TopologyError, _complex
+from topologies._base import MixingSchedule, TopologyError, _complex, _is_int
 
 __all__ = [
     "check_square",
@@ -221,6 +221,8 @@ def validate_schedule(
     """
     if rounds is None:
         rounds = schedule.period or 10
+    if not _is_int(rounds) or rounds < 1:
+        raise TopologyError(f"rounds must be an int >= 1, got {rounds!r}")
     if doubly_stochastic is None:
         doubly_stochastic = getattr(schedule, "doubly_stochastic", True)
     if symmetric is None:
