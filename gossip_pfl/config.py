@@ -410,8 +410,27 @@ def _check_read(cfg: RunConfig, spec) -> None:
     if spec.workload != "pefll" and (given := _changed("pefll", cfg.pefll, PeFLLConfig())):
         raise GossipError(f"config key(s) {given} are for algorithm 'pefll'; '{a.name}' does "
                           "not read them")  # fmt: skip
-    if spec.workload != "model":
+    if spec.workload != "model":  # EM and PeFLL read algorithm.name alone
+        default = AlgorithmConfig()
+        given = ", ".join(f"algorithm.{k}" for k, v in vars(a).items()
+                          if k != "name" and v != getattr(default, k))  # fmt: skip
+        if given:
+            own = "expfam.*" if spec.workload == "expfam" else "pefll.*"
+            raise GossipError(f"config key(s) {given}: '{a.name}' reads only algorithm.name "
+                              f"(its keys are {own})")  # fmt: skip
         return
+    if spec.single_model and a.components not in (1, AlgorithmConfig.components):
+        raise GossipError(f"config key 'algorithm.components' is {a.components} but "
+                          f"'{a.name}' trains one model (M = 1)")  # fmt: skip
+    star = spec.topology == "server" and rule != "clustered"  # (clustered weighs by size)
+    if cfg.aggregation != RunConfig.aggregation and not star:
+        raise GossipError(f"config key 'aggregation' is {cfg.aggregation!r} but '{a.name}' has "
+                          "no hub that averages (gossip weighs by W_t: "
+                          "algorithm.client_weighting)")  # fmt: skip
+    if a.client_weighting != AlgorithmConfig.client_weighting and spec.topology != "given":
+        raise GossipError(f"config key 'algorithm.client_weighting' is {a.client_weighting!r} "
+                          f"but '{a.name}' does not gossip (a server's weights: "
+                          "aggregation)")  # fmt: skip
     reads = RULE_KEYS.get(rule)  # (None: an unknown name, refused where the rule is built)
     changed = [k for k, v in vars(cfg.rule).items() if k != "name" and v != getattr(RuleConfig, k)]
     unread = [k for k in changed if reads is not None and k not in reads]
@@ -522,8 +541,6 @@ def validate(cfg: RunConfig, unread: bool = True) -> None:
     if spec.workload != "model" and (given := _changed("rule", cfg.rule, RuleConfig())):
         raise GossipError(f"config key(s) {given}: rules are for the model workloads; "
                           f"'{a.name}' has its own server step")  # fmt: skip
-    if unread:
-        _check_read(cfg, spec)
     if spec.workload == "expfam":  # the EM reads expfam.*: data.* and model.* go unheeded
         for key, value, default in (("data", cfg.data, DataConfig()),
                                     ("model", cfg.model, ModelConfig())):  # fmt: skip
@@ -541,6 +558,8 @@ def validate(cfg: RunConfig, unread: bool = True) -> None:
             f"algorithm '{a.name}' needs a schedule: set 'schedule' to a topology spec or a "
             "schedule YAML path (e.g. schedule: {graph: ring, weights: metropolis})"
         )
+    if unread:  # last: a key the run cannot take at all is said first
+        _check_read(cfg, spec)
 
 
 def _transport_checks(rt: RuntimeConfig, rounds: int) -> list[tuple[bool, str, str]]:

@@ -105,6 +105,13 @@ def test_runs_refused_before_training(tmp_path, capsys, sets, pattern):
         (["rule.name=fedli_ls", "algorithm.momentum=0.9"], r"line search .* takes plain steps"),
         (["algorithm.mu=5"], r"'algorithm.mu' is 5.0 but 'fedavg' has no proximal term"),
         (["pefll.lr=0.1"], r"pefll.lr are for algorithm 'pefll'"),
+        (["algorithm.components=5"], r"'algorithm.components' is 5 but 'fedavg' trains one model"),
+        (["algorithm.client_weighting=gossip"], r"'fedavg' does not gossip"),
+        (["algorithm.name=local", "aggregation=uniform"], r"'local' has no hub that averages"),
+        (
+            ["algorithm.name=dfedem", "schedule={graph: ring}", "aggregation=uniform"],
+            r"'dfedem' has no hub that averages",
+        ),
     ],
 )
 def test_keys_no_part_of_the_run_reads_are_refused(tmp_path, capsys, sets, pattern):
@@ -126,10 +133,19 @@ def test_a_run_made_before_the_unread_keys_check_resumes(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["rounds"] == 2
 
 
+def test_em_reads_only_the_algorithms_name(tmp_path, capsys):
+    argv = ["run", str(ROOT / "configs/expfam/gmm2d_fedem.yaml"), "--set", "algorithm.lr=5",
+            "--out", str(tmp_path)]  # fmt: skip
+    _one_line_error(capsys, argv, r"algorithm.lr: '\w+' reads only algorithm.name .*expfam")
+
+
 def test_keys_the_run_reads_are_taken(tmp_path):
     argv = ["run", str(ROOT / "configs/synthetic/fedavg.yaml"), *SMALL, "--quiet", "--no-plots"]
     for sets in (["rule.name=fedadam", "rule.lr=0.1", "rule.tau=0.01"],
-                 ["algorithm.name=fedprox", "algorithm.mu=0.5"]):  # fmt: skip
+                 ["algorithm.name=fedprox", "algorithm.mu=0.5"],
+                 ["aggregation=uniform", "algorithm.components=1"],
+                 ["algorithm.name=dfedem", "schedule={graph: ring}",
+                  "algorithm.client_weighting=none"]):  # fmt: skip
         out = ["--out", str(tmp_path / sets[0])]
         assert main(argv + [x for s in sets for x in ("--set", s)] + out) == 0
 
