@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from topologies import MixingSchedule, Phase, TopologyError
+from topologies import schedules as S
 from topologies.analysis import (
     ExplicitSchedule,
     connectivity_tau,
@@ -441,3 +442,34 @@ def test_sparse_analysis_matches_dense_matrices(path):
         "nonnegative": all(validation.is_nonnegative(W) for W in mats),
     }
     assert connectivity_tau(s, horizon) == brute_tau(s, horizon)
+
+
+class _Aperiodic(MixingSchedule):
+    """The same rounds with the period hidden: the analyses then read every round."""
+
+    period = None
+
+    def __init__(self, inner: MixingSchedule):
+        self.inner, self.n, self.seed = inner, inner.n, inner.seed
+
+    def phases(self, t: int):
+        return self.inner.phases(t)
+
+
+# (horizons past a period and tau: below them the periodic and the windowed reading differ
+# by design, connectivity_tau's docstring)
+@pytest.mark.parametrize("horizon", [7, 20, 22])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: S.OnePeerExponentialSchedule(8),  # period 3
+        lambda: S.PeriodicSchedule([S.graph_schedule(8, "ring"), S.graph_schedule(8, "path")]),
+    ],
+)
+def test_a_periodic_schedules_analysis_reads_one_period_and_agrees(make, horizon):
+    """(A horizon of 10^9 on a ring read 10^9 rounds: minutes, then a hang.)"""
+    s = make()
+    fast, full = describe(s, horizon=horizon), describe(_Aperiodic(s), horizon=horizon)
+    for key in ("edges_per_round", "max_degree", "doubly_stochastic", "symmetric", "tau"):
+        assert fast[key] == pytest.approx(full[key]), key
+    assert connectivity_tau(s, 10**5) == connectivity_tau(_Aperiodic(s), 3 * s.period)

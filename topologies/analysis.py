@@ -325,7 +325,9 @@ def connectivity_tau(schedule: MixingSchedule, horizon: int = 100) -> int | None
         return 1
     period = schedule.period
     if not schedule.is_random and period is not None:
-        worst = _window_lengths(schedule, period - 1 + horizon, period).max()
+        # a window of a whole period holds every round's links: longer ones add none, so no
+        # round past 2 period - 1 is read (a horizon of 10^9 on a ring read them all)
+        worst = _window_lengths(schedule, period - 1 + min(horizon, period), period).max()
         return int(worst) if worst <= horizon else None
     lengths = _window_lengths(schedule, horizon, horizon)
     worst = np.maximum.accumulate(lengths)  # worst[k] = max L over starts 0..k
@@ -457,11 +459,24 @@ def round_properties(schedule: MixingSchedule, horizon: int = 100, tol: float = 
     return props
 
 
+def _mean_messages(schedule: MixingSchedule, horizon: int) -> float:
+    """Messages a round over rounds ``0 .. horizon-1``; a periodic schedule's from one period
+    (the same mean, without reading 10^9 rounds for a huge horizon)."""
+    period = schedule.period if not schedule.is_random else None
+    if period is None or horizon <= period:
+        return float(np.mean([schedule.messages(t) for t in range(horizon)]))
+    counts = np.array([schedule.messages(t) for t in range(period)], dtype=float)
+    whole, part = divmod(horizon, period)
+    return float((counts.sum() * whole + counts[:part].sum()) / horizon)
+
+
 def _scan(schedule: MixingSchedule, horizon: int, tol: float) -> tuple[dict, int]:
     """One pass over the rounds: the three properties and the max in-degree."""
     n = schedule.n
     ds = sym = nonneg = True
     degree = 0
+    if not schedule.is_random and schedule.period is not None:  # the rest repeat these
+        horizon = min(horizon, schedule.period)
     for t in range(horizon):
         r, c, w = _effective_coo(schedule, t)
         degree = max(degree, int(np.bincount(r[r != c], minlength=n).max(initial=0)))
@@ -651,7 +666,7 @@ def describe(schedule: MixingSchedule, horizon: int = 100, trials: int = 20, see
         p = estimate_p(schedule, tau, trials, seed) if schedule.is_random else 1 - contraction**2
     return {
         "n": schedule.n,
-        "edges_per_round": float(np.mean([schedule.messages(t) for t in range(horizon)])),
+        "edges_per_round": _mean_messages(schedule, horizon),
         "max_degree": max_degree,
         **props,
         "rho": schedule_rho(schedule, horizon, trials),
