@@ -119,7 +119,10 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
             "schedule.graph_args.participation samples inside the schedule; in a run, clients "
             "per round are the top-level key 'participation' (drop it from the schedule)"
         )
-    if sched.get("n", n) != n:
+    given = sched.get("n", n)
+    if isinstance(given, bool) or not isinstance(given, int):  # (was told as a mismatch)
+        raise GossipError(f"config key 'schedule.n' must be an int, got {given!r}")
+    if given != n:
         raise GossipError(
             f"schedule has n = {sched['n']} but the run has {n} training peers; "
             "set schedule.n to match or drop it"

@@ -48,6 +48,8 @@ def test_consensus_run_takes_x0_of_shape_n_or_n_by_dim_only():
             A.consensus_run(s, 3, x0=bad)
     with pytest.raises(T.TopologyError, match="rounds must be an int >= 0"):
         A.consensus_run(s, 2.5)
+    with pytest.raises(T.TopologyError, match="x0 must be finite numbers"):
+        A.consensus_run(s, 3, x0=np.full(8, np.nan))
     a = A.consensus_run(s, 3, x0=np.arange(8.0))
     b = A.consensus_run(s, 3, x0=np.arange(8.0)[:, None])
     np.testing.assert_array_equal(a.errors, b.errors)

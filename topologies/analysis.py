@@ -592,6 +592,8 @@ def consensus_run(
             raise TopologyError(f"x0 must be numbers, shape (n,) or (n, dim), got {x0!r}") from None
         if x.ndim not in (1, 2) or x.shape[0] != n:  # a reshape took (dim, n) or (2n,) too
             raise TopologyError(f"x0 must have shape (n,) or (n, dim) with n = {n}, got {x.shape}")
+        if not np.isfinite(x).all():  # (its errors were NaN from the first round on)
+            raise TopologyError("x0 must be finite numbers (it holds NaN or inf)")
         x = x.reshape(n, -1)
     start = _spread(x)
     if start == 0:
