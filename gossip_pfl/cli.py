@@ -13,7 +13,7 @@ import warnings
 # A variable already set wins (OMP_WAIT_POLICY=ACTIVE spins).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from gossip_pfl.errors import GossipError  # noqa: E402
+from gossip_pfl.errors import GossipError, one_line  # noqa: E402
 from topologies import TopologyError  # noqa: E402
 
 
@@ -60,10 +60,6 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
     print(f"gossip-pfl: warning{kind}: {message}", file=file or sys.stderr)
 
 
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     if not (sys.argv[1:] if argv is None else argv):  # a bare command: what there is to run
@@ -80,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gossip-pfl: error: {err}", file=sys.stderr)
         return 2
     except MemoryError as err:  # numpy names the array it could not allocate
-        why = f": {_one_line(err)}" if str(err) else ""
+        why = f": {one_line(err)}" if str(err) else ""
         print(f"gossip-pfl: error: out of memory{why} (a smaller problem fits)", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

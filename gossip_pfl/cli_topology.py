@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from gossip_pfl.errors import one_line
 from topologies import MixingSchedule, TopologyError
 from topologies.analysis import (
     connectivity_tau,
@@ -172,7 +173,7 @@ def load(path: str) -> MixingSchedule:
             return load_schedule(path)  # raises one-line TopologyErrors for missing/bad files
         return schedule_from_spec({"graph": str(Path(path).resolve())})
     except OSError as err:  # unreadable file (permissions, a folder, ...)
-        raise TopologyError(f"{path}: {_one_line(err)}") from None
+        raise TopologyError(f"{path}: {one_line(err)}") from None
 
 
 def _load_for_analysis(path: str) -> MixingSchedule:
@@ -218,10 +219,6 @@ def _check_export(source: str, rounds: int, n: int) -> None:
             f"{source}: --rounds {rounds:,} x n^2 = {n:,}^2 x 8 bytes = {size / 2**30:,.1f} GiB "
             f"of W, more than this machine's {memory / 2**30:,.1f} GiB; export fewer rounds"
         )
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
 
 
 def _from_dict(spec: dict) -> MixingSchedule:
@@ -341,7 +338,7 @@ def _write_consensus(out: Path, rows: list[dict], curves: list, args) -> dict[st
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise TopologyError(f"cannot create {out}: {_one_line(err)}") from None
+        raise TopologyError(f"cannot create {out}: {one_line(err)}") from None
     files = {k: str(out / f"consensus.{k}") for k in ("csv", "json", "png")}
     for path in files.values():  # a folder in a file's place: an IsADirectoryError traceback
         if Path(path).is_dir():
@@ -433,6 +430,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         save_npz(schedule, out, rounds=args.rounds)
     except OSError as err:
-        raise TopologyError(f"cannot write {out}: {_one_line(err)}") from None
+        raise TopologyError(f"cannot write {out}: {one_line(err)}") from None
     print(f"wrote {out}: W with shape ({args.rounds}, {schedule.n}, {schedule.n})")
     return 0

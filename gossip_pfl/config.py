@@ -411,10 +411,7 @@ def _check_read(cfg: RunConfig, spec) -> None:
         raise GossipError(f"config key(s) {given} are for algorithm 'pefll'; '{a.name}' does "
                           "not read them")  # fmt: skip
     if spec.workload != "model":  # EM and PeFLL read algorithm.name alone
-        default = AlgorithmConfig()
-        given = ", ".join(f"algorithm.{k}" for k, v in vars(a).items()
-                          if k != "name" and v != getattr(default, k))  # fmt: skip
-        if given:
+        if given := _changed("algorithm", a, AlgorithmConfig(name=a.name)):
             own = "expfam.*" if spec.workload == "expfam" else "pefll.*"
             raise GossipError(f"config key(s) {given}: '{a.name}' reads only algorithm.name "
                               f"(its keys are {own})")  # fmt: skip

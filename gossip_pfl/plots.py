@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from gossip_pfl.errors import GossipError
+from gossip_pfl.errors import GossipError, one_line
 from gossip_pfl.rundir import read_rows
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ def _read_json(file: Path) -> dict[str, Any]:
     try:
         doc = json.loads(file.read_text())
     except (OSError, UnicodeDecodeError) as err:
-        raise GossipError(f"cannot read {file}: {_one_line(err)}") from None
+        raise GossipError(f"cannot read {file}: {one_line(err)}") from None
     except json.JSONDecodeError as err:
         raise GossipError(f"{file}, line {err.lineno}: not valid JSON ({err.msg})") from None
     if not isinstance(doc, dict):
@@ -151,10 +151,6 @@ def _read_config(file: Path) -> dict[str, Any]:
     except Exception:  # optional metadata: never fatal
         return {}
     return doc if isinstance(doc, dict) else {}
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split()) or type(err).__name__
 
 
 def default_labels(runs: list[Run]) -> list[str]:
@@ -463,7 +459,7 @@ def plot_mixture_weights(runs: list[Run]) -> Figure:
 def _bad_value(figure: str, runs: list[Run], err: Exception) -> str:
     folders = ", ".join(str(run.path) for run in runs)
     return (f"{figure}: a value in metrics.jsonl or summary.json of {folders} is not a number "
-            f"or list of numbers ({_one_line(err)})")  # fmt: skip
+            f"or list of numbers ({one_line(err)})")  # fmt: skip
 
 
 def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
@@ -473,7 +469,7 @@ def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
-        raise GossipError(f"cannot create {out}: {_one_line(err)}") from None
+        raise GossipError(f"cannot create {out}: {one_line(err)}") from None
     paths = []
     figures = dict(PLOTS)
     try:
@@ -490,6 +486,6 @@ def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
         try:
             fig.savefig(path, dpi=DPI)
         except OSError as err:
-            raise GossipError(f"cannot write {path}: {_one_line(err)}") from None
+            raise GossipError(f"cannot write {path}: {one_line(err)}") from None
         paths.append(path)
     return paths

@@ -512,13 +512,13 @@ class Trainer(RoundLoop):
         personal = self.personal if personal is None else personal
         L, a = len(self.peers), self.cfg.algorithm
         counts = self.counts if active is None else np.where(active, self.counts, 0)
-        plain = self._plain_sgd()
-        affine = not plain and self._affine_sgd()  # (the fused round adds its terms)
+        plain, sgd = self._plain_sgd(), self._affine_sgd()  # (plain SGD is one of sgd)
+        affine = sgd and not plain  # (the fused round adds its terms)
         # pFedMe's and APFL's steps in the fused round
         steps_of = None
-        if (plain or affine) and self._personal_fused():
+        if sgd and self._personal_fused():
             steps_of = self.surrogate.compiled_steps(personal)
-        fused = (plain or affine) and (self._fused_linear() or steps_of is not None)  # one call
+        fused = sgd and (self._fused_linear() or steps_of is not None)  # one call
         # the torch operations' host side of the fused step, drawn with the plan
         post = self._linear_host if fused and not self.forward.kernels else None
         idx, weight, taken, *host = self.planner(
@@ -825,9 +825,9 @@ class Trainer(RoundLoop):
         return plain and not self.line_search
 
     def _affine_sgd(self) -> bool:
-        """SGD whose step takes momentum, adds terms linear in the parameters (FedProx's
-        proximal term, weight decay, SCAFFOLD's correction) or keeps its loss for the rule
-        (FedLi-LU), no line search: the round's steps are fused as plain SGD's are
+        """SGD, plain (:meth:`_plain_sgd`) or taking momentum, adding terms linear in the
+        parameters (FedProx's proximal term, weight decay, SCAFFOLD's correction) or keeping
+        its loss for the rule (FedLi-LU), no line search: the round's steps are fused
         (:meth:`BatchedForward.linear_sgd_round`; with the compiled CPU loops one call)."""
         return type(self.solver) is LocalSGD and not self.line_search
 
@@ -852,8 +852,7 @@ class Trainer(RoundLoop):
         """The round's compiled loop works a mixture's E-step out per peer, just before its
         steps (:class:`gossip_pfl.runtime.stack.PendingEStep`): SGD (no line search) on the
         binary linear model with the compiled CPU loops."""
-        sgd = self._plain_sgd() or self._affine_sgd()
-        return self.forward.kernels and sgd and self._fused_linear()
+        return self.forward.kernels and self._affine_sgd() and self._fused_linear()
 
     def _fused_linear(self) -> bool:
         """The whole round's SGD steps in closed form (stack.linear_sgd_round): the binary

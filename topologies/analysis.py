@@ -197,6 +197,12 @@ def _check_horizon(horizon: int) -> None:
         raise TopologyError(f"horizon must be a positive number of rounds, got {horizon}")
 
 
+def _repeats(schedule: MixingSchedule) -> int | None:
+    """The period after which a deterministic schedule's rounds repeat (None: random or
+    aperiodic): its analyses read one period of rounds."""
+    return None if schedule.is_random else schedule.period
+
+
 def _check_counts(least: int = 1, **counts) -> None:
     """Each keyword is an int >= ``least`` (a float or None was NumPy's or Python's own
     error, a negative seed numpy's)."""
@@ -323,8 +329,8 @@ def connectivity_tau(schedule: MixingSchedule, horizon: int = 100) -> int | None
     _check_horizon(horizon)
     if schedule.n == 1:
         return 1
-    period = schedule.period
-    if not schedule.is_random and period is not None:
+    period = _repeats(schedule)
+    if period is not None:
         # a window of a whole period holds every round's links: longer ones add none, so no
         # round past 2 period - 1 is read (a horizon of 10^9 on a ring read them all)
         worst = _window_lengths(schedule, period - 1 + min(horizon, period), period).max()
@@ -342,8 +348,8 @@ def connectivity_tau(schedule: MixingSchedule, horizon: int = 100) -> int | None
 
 def _distinct_windows(schedule: MixingSchedule, tau: int, limit: int) -> int:
     """Number of windows needed to see every distinct one (capped at ``limit`` if aperiodic)."""
-    if not schedule.is_random and schedule.period is not None:
-        return schedule.period // math.gcd(schedule.period, tau)
+    if (period := _repeats(schedule)) is not None:
+        return period // math.gcd(period, tau)
     return max(1, limit)
 
 
@@ -462,7 +468,7 @@ def round_properties(schedule: MixingSchedule, horizon: int = 100, tol: float = 
 def _mean_messages(schedule: MixingSchedule, horizon: int) -> float:
     """Messages a round over rounds ``0 .. horizon-1``; a periodic schedule's from one period
     (the same mean, without reading 10^9 rounds for a huge horizon)."""
-    period = schedule.period if not schedule.is_random else None
+    period = _repeats(schedule)
     if period is None or horizon <= period:
         return float(np.mean([schedule.messages(t) for t in range(horizon)]))
     counts = np.array([schedule.messages(t) for t in range(period)], dtype=float)
@@ -475,8 +481,8 @@ def _scan(schedule: MixingSchedule, horizon: int, tol: float) -> tuple[dict, int
     n = schedule.n
     ds = sym = nonneg = True
     degree = 0
-    if not schedule.is_random and schedule.period is not None:  # the rest repeat these
-        horizon = min(horizon, schedule.period)
+    if (period := _repeats(schedule)) is not None:  # the rest repeat these
+        horizon = min(horizon, period)
     for t in range(horizon):
         r, c, w = _effective_coo(schedule, t)
         degree = max(degree, int(np.bincount(r[r != c], minlength=n).max(initial=0)))
@@ -578,10 +584,8 @@ def consensus_run(
     >>> res.errors.round(12).tolist(), res.rounds_to(1e-6), res.messages.tolist()
     ([1.0, 0.0, 0.0], 1, [12, 12])
     """
-    if not _is_int(rounds) or rounds < 0:
-        raise TopologyError(f"rounds must be an int >= 0, got {rounds!r}")
+    _check_counts(0, rounds=rounds, seed=seed)
     _check_counts(dim=dim)
-    _check_counts(0, seed=seed)
     n = schedule.n
     if x0 is None:
         x = np.random.default_rng(seed).standard_normal((n, dim))

@@ -67,9 +67,8 @@ def set_threads(threads: int = 0) -> str:
         threads, how = default_threads()
     cores = available_cores()
     if threads > MAX_THREADS_PER_CORE * cores:  # 100,000 threads crashed the process
-        key = "runtime.threads" if how == "runtime.threads" else how  # (or OMP_NUM_THREADS)
-        raise GossipError(
-            f"{key} {threads} is more than {MAX_THREADS_PER_CORE} x the {cores} core(s) this "
+        raise GossipError(  # (``how``: runtime.threads or OMP_NUM_THREADS)
+            f"{how} {threads} is more than {MAX_THREADS_PER_CORE} x the {cores} core(s) this "
             f"process may use ({MAX_THREADS_PER_CORE * cores}); runtime.threads 0 picks a count"
         )
     import torch  # here: this module answers the host's questions without loading torch
