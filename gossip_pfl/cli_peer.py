@@ -86,6 +86,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from gossip_pfl.runtime.comm import resolve_device
     from gossip_pfl.runtime.zmq_comm import Faults, ZmqComm, read_peers
 
+    for flag, value in (("--wait-round", args.wait_round), ("--after-pid", args.after_pid)):
+        if value < 0:
+            raise GossipError(f"{flag} {value}: must be >= 0")
+        if value and not args.resume:  # (a fresh process ignored them)
+            raise GossipError(f"{flag} {value} is a restart's option: add --resume")
     read_yaml(args.config)  # a missing or malformed config fails here, naming it
     # (a restarted process resumes its run: its config is left as it started)
     unread = not args.resume

@@ -126,7 +126,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="a schedule spec YAML, or a graph file (edge list, .npy, .npz, .graphml, .gml)",
     )
     e.add_argument("--rounds", type=_positive_int, required=True, help="R, the rounds to write")
-    e.add_argument("-o", "--output", required=True, metavar="OUT.npz", help="the file to write")
+    e.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        metavar="OUT.npz",
+        help="the file to write (a folder: SPEC's name .npz in it)",
+    )
     e.set_defaults(func=cmd_export)
 
 
@@ -403,6 +409,9 @@ def cmd_describe(args: argparse.Namespace) -> int:
     print(f"{args.spec} (rounds 0..{args.horizon - 1})")
     for key, value in info.items():
         print(f"  {key.ljust(width)}  {_fmt(value)}")
+    if not info["doubly_stochastic"]:  # (a negative p read as a bug)
+        print("  (not doubly stochastic: rho, contraction and p are taken against the plain "
+              "average, which these rounds move)")  # fmt: skip
     return 0
 
 
@@ -421,6 +430,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     schedule = load(args.spec)
     _check_export(args.spec, args.rounds, schedule.n)
     out = Path(args.output)
+    if out.is_dir():  # (a folder: DIR.npz was written beside it)
+        out = out / f"{Path(args.spec).stem}.npz"
     if out.suffix != ".npz":  # NumPy adds it: say the name that is written
         out = out.with_name(out.name + ".npz")
     blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)

@@ -337,6 +337,19 @@ def test_consensus_rejects_bad_input():
         consensus_run(ExplicitSchedule([ring(4)]), rounds=3, x0=np.ones(4))
 
 
+@pytest.mark.parametrize(
+    "matrices, says",
+    [
+        ([2 * np.eye(2)], "matrix 0: row 0 sums to 2"),  # (its "consensus" was 2^t x0)
+        ([np.eye(2), [[1.5, -0.5], [0.0, 1.0]]], r"matrix 1: entry \(0, 1\) is -0.5"),
+        ([np.eye(2), np.eye(3)], "square of size 2"),
+    ],
+)
+def test_explicit_matrices_are_checked_as_every_schedules_are(matrices, says):
+    with pytest.raises(TopologyError, match=says):
+        ExplicitSchedule(matrices)
+
+
 # --------------------------------------------------------------------------- properties, describe
 
 

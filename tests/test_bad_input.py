@@ -274,3 +274,17 @@ def test_merge_names_a_damaged_process_summary(tmp_path, text):
         cli_peer._wall_seconds(path)
     path.write_text(json.dumps({"wall_seconds": 1.5}))
     assert cli_peer._wall_seconds(path) == 1.5
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--wait-round", "3"], "--wait-round 3 is a restart's option: add --resume"),
+        (["--after-pid", "1"], "--after-pid 1 is a restart's option: add --resume"),
+        (["--resume", "--wait-round", "-1"], "--wait-round -1: must be >= 0"),
+    ],
+)
+def test_a_restarts_options_need_a_restart(flags, says, capsys):
+    """A fresh `peer` ignored --wait-round and --after-pid."""
+    argv = ["peer", str(ROOT / "configs/synthetic/dfedem.yaml"), "--id", "0", *flags]
+    _one_line_error(capsys, argv, re.escape(says) + "$")

@@ -268,6 +268,29 @@ def test_export_names_the_file_it_writes(tmp_path, capsys):
     assert f"{tmp_path / 'w.yaml'} is a file, not a folder" in capsys.readouterr().err
 
 
+def test_export_into_a_folder_writes_the_specs_name_in_it(tmp_path, capsys):
+    """`-o DIR` wrote DIR.npz beside the folder."""
+    assert main(["topology", "export", RING, "--rounds", "2", "-o", str(tmp_path)]) == 0
+    assert f"wrote {tmp_path / 'ring16.npz'}:" in capsys.readouterr().out
+    assert [p.name for p in tmp_path.iterdir()] == ["ring16.npz"]
+
+
+def test_describe_says_its_rates_are_against_an_average_the_rounds_move(tmp_path, capsys):
+    """A hub weighted by uneven sizes is not doubly stochastic: its windows move the plain
+    average, their distance to it grows (p < 0) and the table says why under it."""
+    spec = tmp_path / "hub.yaml"
+    spec.write_text("graph: server\nn: 6\ngraph_args: {participation: 0.5, "
+                    "sizes: [1, 1, 1, 1, 1, 100]}\n")  # fmt: skip
+    for path, moved in ((spec, True), (RING, False)):
+        assert main(["topology", "describe", str(path)]) == 0
+        out = capsys.readouterr().out
+        fields = dict(line.split(None, 1) for line in out.splitlines()[1:] if line[2] != "(")
+        assert (float(fields["p"]) < 0) is moved and (
+            fields["doubly_stochastic"] == "False"
+        ) is moved
+        assert ("average, which these rounds move" in out) is moved
+
+
 def test_an_n_too_large_for_dense_matrices_is_refused_before_numpy_tries(tmp_path, capsys):
     """n = 300,000: describe and consensus hold dense n x n matrices (670 GiB each); n = 30,000
     was killed for memory and n = 100,000 a numpy traceback."""

@@ -47,6 +47,21 @@ def test_static_dense_and_graph():
         s.StaticSchedule(np.array([[1.0, 0.0], [0.25, 0.25]]))
 
 
+@pytest.mark.parametrize(
+    "make, says",
+    [  # (numpy's ValueError or Python's TypeError before)
+        (lambda: s.StaticSchedule("abc"), "matrix must be numbers, got str"),
+        (lambda: s.StaticSchedule([[1, 0], [0]]), "matrix must be numbers, got list"),
+        (lambda: s.PeriodicSchedule(None), "periodic items must be a list, got NoneType"),
+        (lambda: s.graph_schedule(5, "ring", graph_args=[1]), "graph_args must be a mapping"),
+        (lambda: s.graph_schedule(5, "ring", seed="x"), "seed must be an int >= 0, got 'x'"),
+    ],
+)
+def test_arguments_of_the_wrong_type_are_named(make, says):
+    with pytest.raises(TopologyError, match=says):
+        make()
+
+
 def test_exponential_schedule_matches_uniform_rule():
     from topologies.weights import uniform
 

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from topologies._base import MixingSchedule, Phase, TopologyError, _is_int
-from topologies.validation import check_square
+from topologies.validation import check_nonnegative, check_row_stochastic, check_square
 
 __all__ = [
     "ExplicitSchedule",
@@ -44,7 +44,8 @@ class ExplicitSchedule(MixingSchedule):
     Parameters
     ----------
     matrices : sequence of (n, n) array_like
-        The mixing matrices of one period.
+        The mixing matrices of one period: non-negative and row-stochastic (checked, as every
+        other schedule's; the analyses' rates assume it).
     seed : int, optional
         Stored for interface compatibility; nothing is random.
 
@@ -56,7 +57,15 @@ class ExplicitSchedule(MixingSchedule):
     """
 
     def __init__(self, matrices: Any, seed: int = 0) -> None:
-        mats = [np.asarray(m, dtype=float) for m in matrices]
+        mats = []
+        for t, m in enumerate(matrices):  # (a sum-2 matrix got a rate and a "consensus")
+            try:
+                m = check_square(m)
+                check_nonnegative(m)
+                check_row_stochastic(m)
+            except TopologyError as err:
+                raise TopologyError(f"ExplicitSchedule matrix {t}: {err}") from None
+            mats.append(m)
         if not mats:
             raise TopologyError("ExplicitSchedule needs at least one matrix")
         n = mats[0].shape[0]

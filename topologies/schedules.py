@@ -18,6 +18,7 @@ import numpy as np
 
 from topologies import graphs as _graphs
 from topologies._base import MixingSchedule, Phase, TopologyError, _is_int
+from topologies.validation import check_square
 from topologies.weights import weight_rule
 
 __all__ = [
@@ -171,12 +172,7 @@ class StaticSchedule(_RowSchedule):
 
 
 def _dense_phase(w) -> Phase:
-    a = np.asarray(w, dtype=float)
-    if a.ndim != 2 or a.shape[0] != a.shape[1]:
-        raise TopologyError(f"mixing matrix must be square, got shape {a.shape}")
-    if not np.isfinite(a).all():
-        raise TopologyError("mixing matrix has non-finite entries")
-    return Phase.from_dense(a)
+    return Phase.from_dense(check_square(w))  # (strings, ragged lists: numpy's ValueError)
 
 
 def _is_symmetric(r: _Rows, tol: float = 1e-12) -> bool:
@@ -211,7 +207,9 @@ def graph_schedule(
     >>> s.name
     'exponential(n=100000) / uniform'
     """
-    graph_args = dict(graph_args or {})
+    if not isinstance(graph_args, (dict, type(None))):
+        raise TopologyError(f"graph_args must be a mapping, got {graph_args!r:.40}")
+    graph_args, seed = dict(graph_args or {}), _check_seed(seed)
     directed = family == "exponential"
     weights = weights or ("uniform" if directed else "metropolis")
     label = _family_label(family, n, graph_args) + f" / {weights}"
@@ -279,6 +277,8 @@ class PeriodicSchedule(MixingSchedule):
     """
 
     def __init__(self, items, *, name: str | None = None):
+        if isinstance(items, (str, bytes, dict)) or not hasattr(items, "__iter__"):
+            raise TopologyError(f"periodic items must be a list, got {type(items).__name__}")
         items = [s if isinstance(s, MixingSchedule) else StaticSchedule(s) for s in items]
         if not items:
             raise TopologyError("periodic schedule needs at least one item")
