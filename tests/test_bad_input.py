@@ -171,7 +171,8 @@ def test_an_empty_out_is_refused_not_replaced_by_the_configs(capsys):
         (["data.dim=1000000000"], r"at least n_clients x \(50 \+ n_test\) x dim x 4 bytes = "
          r"300 x 5,050 x 1,000,000,000 x 4 = .* GiB of samples"),
         # (was told as "schedule has n = abc but the run has 300 training peers")
-        (["algorithm.name=dfedem", "schedule={graph: ring, n: abc}"],
+        (["algorithm.name=dfedem", "schedule={graph: ring, n: abc}", "data.n_clients=6",
+          "data.n_test=20"],  # (checked after the data: the full draw wrote 900 MB)
          r"'schedule.n' must be an int, got 'abc'"),
     ],
 )  # fmt: skip

