@@ -202,28 +202,24 @@ def _check_dense(source: str, n: int) -> None:
     """The analyses hold a few dense n x n float64 matrices (window products, spectra): refuse
     an n whose three would not fit in this machine's memory, before numpy tries (n = 30,000
     was killed for memory, n = 100,000 asked for 74.5 GiB at once)."""
-    from gossip_pfl.runtime.threads import physical_memory
+    from gossip_pfl.runtime.threads import beyond_memory
 
-    memory = physical_memory()
-    one = n * n * 8
-    if memory is not None and 3 * one > memory:  # None: the OS does not say, numpy tries
+    if beyond := beyond_memory(3 * n * n * 8):  # (None where the OS does not say: numpy tries)
         raise TopologyError(
-            f"{source}: n = {n:,}: the analysis holds dense n x n matrices of n^2 x 8 bytes "
-            f"= {one / 2**30:,.1f} GiB each, three at a time, more than this machine's "
-            f"{memory / 2**30:,.1f} GiB"
+            f"{source}: n = {n:,}: the analysis holds three dense n x n matrices at a time, "
+            f"3 x n^2 x 8 bytes = {beyond}"
         )
 
 
 def _check_export(source: str, rounds: int, n: int) -> None:
     """export holds W (rounds, n, n) float64 in memory: refuse one that would not fit, before
     numpy tries (10^8 rounds of a 16-peer ring ran for minutes towards 205 GB)."""
-    from gossip_pfl.runtime.threads import physical_memory
+    from gossip_pfl.runtime.threads import beyond_memory
 
-    memory, size = physical_memory(), rounds * n * n * 8
-    if memory is not None and size > memory:
+    if beyond := beyond_memory(rounds * n * n * 8, "W"):
         raise TopologyError(
-            f"{source}: --rounds {rounds:,} x n^2 = {n:,}^2 x 8 bytes = {size / 2**30:,.1f} GiB "
-            f"of W, more than this machine's {memory / 2**30:,.1f} GiB; export fewer rounds"
+            f"{source}: --rounds {rounds:,} x n^2 = {n:,}^2 x 8 bytes = {beyond}; "
+            "export fewer rounds"
         )
 
 

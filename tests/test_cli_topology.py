@@ -300,7 +300,7 @@ def test_an_n_too_large_for_dense_matrices_is_refused_before_numpy_tries(tmp_pat
                                                         str(tmp_path / "c")]):  # fmt: skip
         assert main(argv) == 2
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1 and "n = 300,000: the analysis holds dense n x n" in err[0], err
+        assert len(err) == 1 and "n = 300,000: the analysis holds three dense n x n" in err[0], err
 
 
 def test_a_folder_where_consensus_writes_a_file_is_one_line(tmp_path, capsys, spec_module):

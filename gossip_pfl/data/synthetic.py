@@ -117,16 +117,14 @@ def make_synthetic(
 def _check_memory(a: dict) -> None:
     """Refuse samples that cannot fit, before numpy tries (dim = 10^9 was killed for memory
     with no message): every client has at least 50 training samples and n_test test ones."""
-    from gossip_pfl.runtime.threads import physical_memory
+    from gossip_pfl.runtime.threads import beyond_memory
 
-    memory = physical_memory()
     least = a["n_clients"] * (MIN_SIZE + a["n_test"]) * a["dim"] * 4
-    if memory is not None and least > memory:
+    if beyond := beyond_memory(least, "samples"):
         raise GossipError(
             f"synthetic: at least n_clients x ({MIN_SIZE} + n_test) x dim x 4 bytes = "
             f"{a['n_clients']:,} x {MIN_SIZE + a['n_test']:,} x {a['dim']:,} x 4 = "
-            f"{least / 2**30:,.1f} GiB of samples, more than this machine's "
-            f"{memory / 2**30:,.1f} GiB"
+            f"{beyond}"
         )
 
 

@@ -43,6 +43,17 @@ def physical_memory() -> int | None:
         return None
 
 
+def beyond_memory(size: float, what: str = "") -> str | None:
+    """``"S GiB of WHAT, more than this machine's M GiB"`` where ``size`` bytes exceed its
+    physical memory, else None (also where the OS does not say): the end of a message that
+    refuses a size before numpy tries to allocate it."""
+    memory = physical_memory()
+    if memory is None or size <= memory:
+        return None
+    of = f" of {what}" if what else ""
+    return f"{size / 2**30:,.1f} GiB{of}, more than this machine's {memory / 2**30:,.1f} GiB"
+
+
 #: the most threads a run may ask per core it may use (more only oversubscribes the cores)
 MAX_THREADS_PER_CORE = 4
 
