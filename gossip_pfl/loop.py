@@ -79,8 +79,8 @@ class RoundLoop:
         return {"algorithm.loss_divisor": self.cfg.algorithm.loss_divisor}
 
     def check_resumable(self, state: dict, where: str) -> None:
-        """A loaded checkpoint can go on under this config: same keys, rounds left."""
-        self.check_config(state, where)
+        """A loaded checkpoint has rounds left under this config (after :meth:`check_config`
+        and the structure check)."""
         done = state["rounds_done"]
         if done > self.cfg.rounds:
             raise GossipError(f"{where}: the checkpoint is of round {done}, past rounds = "

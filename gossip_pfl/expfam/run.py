@@ -500,6 +500,7 @@ class ExpFamRun(RoundLoop):
     def restore(self, out: Path) -> tuple[int, list]:
         state = checkpoint.load(out)
         where = f"--resume {out}"
+        self.check_config(state, where)
         self.check_resumable(state, where)
         workers = state["workers"]
         if set(workers) != set(self._worker_state()) or workers["S"].shape != (
