@@ -10,6 +10,7 @@ import argparse
 import csv
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -426,10 +427,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     schedule = load(args.spec)
     _check_export(args.spec, args.rounds, schedule.n)
     out = Path(args.output)
-    if out.is_dir():  # (a folder: DIR.npz was written beside it)
+    if out.is_dir() or args.output.endswith(("/", os.sep)):  # (DIR.npz was written beside it)
         out = out / f"{Path(args.spec).stem}.npz"
     if out.suffix != ".npz":  # NumPy adds it: say the name that is written
         out = out.with_name(out.name + ".npz")
+    if out.exists() and out.resolve() == Path(args.spec).resolve():  # (it was replaced)
+        raise TopologyError(f"cannot write {out}: it is the schedule being exported")
     blocker = next((p for p in out.parents if p.exists() and not p.is_dir()), None)
     if blocker is not None:  # mkdir said "[Errno 17] File exists"
         raise TopologyError(f"cannot write {out}: {blocker} is a file, not a folder")

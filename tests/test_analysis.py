@@ -341,13 +341,16 @@ def test_consensus_rejects_bad_input():
     "matrices, says",
     [
         ([2 * np.eye(2)], "matrix 0: row 0 sums to 2"),  # (its "consensus" was 2^t x0)
-        ([np.eye(2), [[1.5, -0.5], [0.0, 1.0]]], r"matrix 1: entry \(0, 1\) is -0.5"),
+        ([np.eye(2), [[1.5, -0.4], [0.0, 1.0]]], r"matrix 1: row 0 sums to 1.1"),
         ([np.eye(2), np.eye(3)], "square of size 2"),
     ],
 )
 def test_explicit_matrices_are_checked_as_every_schedules_are(matrices, says):
     with pytest.raises(TopologyError, match=says):
         ExplicitSchedule(matrices)
+    # negative weights that keep the rows' sums (best constant weights uncapped) are studied
+    signed = ExplicitSchedule([[[1.5, -0.5], [0.0, 1.0]]])
+    assert round_properties(signed, horizon=1)["nonnegative"] is False
 
 
 # --------------------------------------------------------------------------- properties, describe
@@ -428,20 +431,24 @@ def test_describe_time_varying_and_random():
     assert d["tau"] is None and d["contraction"] is None and d["p"] is None
 
 
-@pytest.mark.parametrize("density", [0.02, 0.5])  # (the sparse path, the dense one)
-@pytest.mark.parametrize("block", [2**24, 7])  # (one gathered block, a few columns at a time)
-def test_a_phase_applies_as_its_dense_matrix(density, block, monkeypatch):
+@pytest.mark.parametrize(
+    "density, columns",  # (the dense product; the sparse one: all columns, five at a time)
+    [(0.5, 13), (0.02, 13), (0.02, 5)],
+)
+def test_a_phase_applies_as_its_dense_matrix(density, columns, monkeypatch):
     """Duplicate entries add up and rows that receive nothing keep their value, whichever
     product a phase's density picks, and however many columns the sparse one takes at once."""
     import topologies.analysis as analysis
 
-    monkeypatch.setattr(analysis, "_BLOCK", block)
     rng = np.random.default_rng(3)
     n, nnz = 60, int(density * 60**2)
     rows = rng.integers(0, n - 5, nnz)  # (the last five receive nothing)
-    phase = Phase(n, rows, rng.integers(0, n, nnz), rng.random(nnz))
+    cols = rng.integers(0, n, nnz)
+    rows, cols = np.r_[rows, rows[:9]], np.r_[cols, cols[:9]]  # nine entries twice
+    phase = Phase(n, rows, cols, rng.random(rows.size))
+    monkeypatch.setattr(analysis, "_BLOCK", columns * rows.size)  # (columns a block)
     z = rng.standard_normal((n, 13))
-    assert (nnz > analysis._DENSE_FROM * n * n) is (density == 0.5)
+    assert (phase.rows.size > analysis._DENSE_FROM * n * n) is (density == 0.5)
     want = phase.dense() @ z
     np.testing.assert_allclose(analysis._apply_phase(phase, z), want, rtol=1e-12, atol=1e-12)
     np.testing.assert_array_equal(want[-5:], z[-5:])

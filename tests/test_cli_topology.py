@@ -269,10 +269,21 @@ def test_export_names_the_file_it_writes(tmp_path, capsys):
 
 
 def test_export_into_a_folder_writes_the_specs_name_in_it(tmp_path, capsys):
-    """`-o DIR` wrote DIR.npz beside the folder."""
+    """`-o DIR` and `-o NEW/` wrote DIR.npz and NEW.npz beside the folder; into the spec's
+    own folder, an exported .npz replaced the file it was read from."""
     assert main(["topology", "export", RING, "--rounds", "2", "-o", str(tmp_path)]) == 0
     assert f"wrote {tmp_path / 'ring16.npz'}:" in capsys.readouterr().out
     assert [p.name for p in tmp_path.iterdir()] == ["ring16.npz"]
+    new = tmp_path / "new"
+    assert main(["topology", "export", RING, "--rounds", "2", "-o", f"{new}/"]) == 0
+    assert [p.name for p in new.iterdir()] == ["ring16.npz"] and not new.with_suffix(
+        ".npz"
+    ).exists()
+    saved = tmp_path / "ring16.npz"
+    before = saved.read_bytes()
+    argv = ["topology", "export", str(saved), "--rounds", "1", "-o", str(tmp_path)]
+    assert main(argv) == 2 and saved.read_bytes() == before
+    assert "it is the schedule being exported" in capsys.readouterr().err
 
 
 def test_describe_says_its_rates_are_against_an_average_the_rounds_move(tmp_path, capsys):

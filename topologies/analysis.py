@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from topologies._base import MixingSchedule, Phase, TopologyError, _is_int
-from topologies.validation import check_nonnegative, check_row_stochastic, check_square
+from topologies.validation import check_row_stochastic, check_square
 
 __all__ = [
     "ExplicitSchedule",
@@ -44,8 +44,9 @@ class ExplicitSchedule(MixingSchedule):
     Parameters
     ----------
     matrices : sequence of (n, n) array_like
-        The mixing matrices of one period: non-negative and row-stochastic (checked, as every
-        other schedule's; the analyses' rates assume it).
+        The mixing matrices of one period: row-stochastic (checked, as a ``StaticSchedule``'s;
+        the analyses' rates assume it). Entries may be negative (Xiao and Boyd's best constant
+        weights without their cap): ``round_properties`` says so.
     seed : int, optional
         Stored for interface compatibility; nothing is random.
 
@@ -61,7 +62,6 @@ class ExplicitSchedule(MixingSchedule):
         for t, m in enumerate(matrices):  # (a sum-2 matrix got a rate and a "consensus")
             try:
                 m = check_square(m)
-                check_nonnegative(m)
                 check_row_stochastic(m)
             except TopologyError as err:
                 raise TopologyError(f"ExplicitSchedule matrix {t}: {err}") from None
@@ -159,7 +159,7 @@ _BLOCK = 2**24
 def _apply_phase(phase: Phase, z: np.ndarray) -> np.ndarray:
     """``phase.dense() @ z``, in O(nnz * d) for a sparse phase: rows that receive nothing keep
     their value."""
-    if phase.rows.size > _DENSE_FROM * phase.size**2:
+    if phase.rows.size > _DENSE_FROM * phase.size**2 and phase.size == z.shape[0]:
         return phase.dense() @ z
     out = z.copy()
     if phase.rows.size == 0:

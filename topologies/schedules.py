@@ -11,6 +11,7 @@ checks. Sparse schedules answer ``neighbors(t, i)`` without building an ``n x n`
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from functools import cache
 
 import networkx as nx
@@ -207,7 +208,7 @@ def graph_schedule(
     >>> s.name
     'exponential(n=100000) / uniform'
     """
-    if not isinstance(graph_args, (dict, type(None))):
+    if not isinstance(graph_args, (Mapping, type(None))):
         raise TopologyError(f"graph_args must be a mapping, got {graph_args!r:.40}")
     graph_args, seed = dict(graph_args or {}), _check_seed(seed)
     directed = family == "exponential"

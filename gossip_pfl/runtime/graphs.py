@@ -54,7 +54,7 @@ class _HostValues(TorchDispatchMode):
         return out
 
 
-def _leaves(x, out: list) -> list:
+def _leaves(x: object, out: list) -> list:
     """The leaves of an operation's arguments or results, which are lists, tuples and
     dicts of tensors and numbers: what ``torch.utils._pytree.tree_flatten`` gives them, in
     a fifth of its time (half a simulated replay's)."""
