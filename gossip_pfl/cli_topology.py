@@ -189,26 +189,42 @@ def _load_for_analysis(path: str) -> MixingSchedule:
     nothing); every schedule once loaded."""
     if Path(path).suffix.lower() in SPEC_SUFFIXES and Path(path).is_file():
         try:
-            n = yaml.safe_load(Path(path).read_text()).get("n")
+            spec = yaml.safe_load(Path(path).read_text())
+            n, family = spec.get("n"), spec.get("graph")
+            p = (spec.get("graph_args") or {}).get("p", 1) if family == "erdos_renyi" else 1
         except (OSError, yaml.YAMLError, AttributeError):
             n = None  # (load reports what is wrong with the file)
         if isinstance(n, int) and not isinstance(n, bool):
-            _check_dense(path, n)
+            dense = family in ("complete", "erdos_renyi") and isinstance(p, (int, float))
+            _check_dense(path, n, round(p * n * (n - 1) / 2) if dense else 0, family)
     schedule = load(path)
     _check_dense(path, schedule.n)
     return schedule
 
 
-def _check_dense(source: str, n: int) -> None:
-    """The analyses hold a few dense n x n float64 matrices (window products, spectra): refuse
-    an n whose three would not fit in this machine's memory, before numpy tries (n = 30,000
-    was killed for memory, n = 100,000 asked for 74.5 GiB at once)."""
+#: bytes an edge takes while a schedule is built from a networkx graph (the graph, the weight
+#: rule's arrays, the phase): 317 and 329 measured for complete graphs of 1,000 and 3,000 nodes
+EDGE_BYTES = 330
+
+
+def _check_dense(source: str, n: int, edges: int = 0, family: str = "") -> None:
+    """The analyses hold a few dense n x n float64 matrices (window products, spectra), and
+    a dense graph (``edges`` of a complete or Erdos-Renyi ``family``) takes more to build:
+    refuse an n that would not fit in this machine's memory, before numpy and networkx try
+    (n = 30,000 was killed for memory, n = 100,000 asked for 74.5 GiB at once; a complete
+    graph of 30,000 nodes built for minutes towards 148 GB)."""
     from gossip_pfl.runtime.threads import beyond_memory
 
     if beyond := beyond_memory(3 * n * n * 8):  # (None where the OS does not say: numpy tries)
         raise TopologyError(
             f"{source}: n = {n:,}: the analysis holds three dense n x n matrices at a time, "
             f"3 x n^2 x 8 bytes = {beyond}"
+        )
+    if beyond := beyond_memory(3 * n * n * 8 + edges * EDGE_BYTES):
+        raise TopologyError(
+            f"{source}: n = {n:,}: the {family} graph's {edges:,} edges take about "
+            f"{EDGE_BYTES} bytes each to build, beside the analysis's 3 x n^2 x 8 bytes: "
+            f"{beyond}"
         )
 
 

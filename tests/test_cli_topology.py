@@ -314,6 +314,31 @@ def test_an_n_too_large_for_dense_matrices_is_refused_before_numpy_tries(tmp_pat
         assert len(err) == 1 and "n = 300,000: the analysis holds three dense n x n" in err[0], err
 
 
+@pytest.mark.parametrize("graph", ["complete", "erdos_renyi"])
+def test_a_dense_graph_too_large_to_build_is_refused_before_networkx_tries(
+    graph, tmp_path, capsys, monkeypatch
+):
+    """A complete graph of 30,000 nodes fitted the three dense matrices (20 GiB of 23.5) and
+    built its 4.5 x 10^8 edges for minutes towards 148 GB. Here 2,000 nodes (2 x 10^6 edges,
+    about 0.6 GiB to build) on a machine of 0.2 GiB: refused before anything is built."""
+    from gossip_pfl.runtime import threads
+
+    monkeypatch.setattr(threads, "physical_memory", lambda: 200 * 2**20)
+    monkeypatch.setattr(cli_topology, "load", lambda path: pytest.fail("the graph was built"))
+    spec = tmp_path / "dense.yaml"
+    spec.write_text(
+        f"n: 2000\ngraph: {graph}\n" + ("graph_args: {p: 0.9}\n" if graph != "complete" else "")
+    )
+    edges = f"{round((0.9 if graph != 'complete' else 1) * 2000 * 1999 / 2):,}"
+    assert main(["topology", "describe", str(spec)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"the {graph} graph's {edges} edges take about 330 bytes" in err[0]
+    sparse = tmp_path / "sparse.yaml"  # (an n whose ring fits is built)
+    sparse.write_text("n: 2000\ngraph: ring\n")
+    with pytest.raises(pytest.fail.Exception, match="the graph was built"):
+        main(["topology", "describe", str(sparse)])
+
+
 def test_a_folder_where_consensus_writes_a_file_is_one_line(tmp_path, capsys, spec_module):
     (tmp_path / "consensus.csv").mkdir()
     spec = str(Path(__file__).resolve().parents[1] / "configs" / "topologies" / "ring16.yaml")
