@@ -138,7 +138,7 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
         raise TopologyError(f"schedule{'.' if keyed else ': '}{err}") from None
     if cfg.check_schedule:  # the checks of `topology describe`, with the figures
         try:
-            check_mixing(schedule, horizon=100)
+            check_mixing(schedule, horizon=min(100, cfg.rounds))  # (the rounds it runs)
         except TopologyError as err:
             raise GossipError(
                 f"{err}; fix the schedule, or set check_schedule: false to run it anyway"

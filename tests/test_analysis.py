@@ -415,6 +415,24 @@ def test_describe_static_ring():
     assert d["p"] == pytest.approx(1 - rho(ring(n)) ** 2)
 
 
+def test_a_random_schedules_checks_draw_each_round_once(monkeypatch):
+    """check_mixing and describe read a random schedule's rounds for its connectivity and
+    its properties in one pass: a run's check drew each Erdos-Renyi graph twice (221 draws
+    for 100 rounds, 17 of a 19.5 s run at n = 1,000). The answers are those of the passes
+    apart."""
+    from topologies.analysis import _scan, check_mixing
+
+    schedule = S.RandomSchedule(30, "erdos_renyi", {"p": 0.2}, seed=1)
+    built, build = [], schedule._build
+    monkeypatch.setattr(schedule, "_build", lambda t: built.append(t) or build(t))
+    check_mixing(schedule, horizon=10)
+    assert built == list(range(10))
+    built.clear()
+    d = describe(schedule, horizon=10, trials=3)
+    apart = _scan(schedule, 10, 1e-9)[0], connectivity_tau(schedule, 10)
+    assert ({k: d[k] for k in apart[0]}, d["tau"]) == apart
+
+
 def test_describe_time_varying_and_random():
     d = describe(ExplicitSchedule(one_peer_exp(8)), horizon=12)
     assert set(d) == DESCRIBE_KEYS
