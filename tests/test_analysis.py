@@ -433,6 +433,17 @@ def test_a_random_schedules_checks_draw_each_round_once(monkeypatch):
     assert ({k: d[k] for k in apart[0]}, d["tau"]) == apart
 
 
+def test_describe_solves_a_static_schedules_spectrum_once(monkeypatch):
+    """Its rho and its contraction over windows of one round are the same n^3 solve (at
+    n = 3,000 the second took 2.7 of describe's 4.6 s)."""
+    import topologies.analysis as analysis
+
+    solves, solve = [], analysis.rho
+    monkeypatch.setattr(analysis, "rho", lambda W: solves.append(1) or solve(W))
+    d = describe(ExplicitSchedule([ring(12)]), horizon=20)
+    assert len(solves) == 1 and d["contraction"] == d["rho"] == pytest.approx(solve(ring(12)))
+
+
 def test_describe_time_varying_and_random():
     d = describe(ExplicitSchedule(one_peer_exp(8)), horizon=12)
     assert set(d) == DESCRIBE_KEYS

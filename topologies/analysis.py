@@ -746,17 +746,21 @@ def describe(schedule: MixingSchedule, horizon: int = 100, trials: int = 20, see
     _check_counts(0, seed=seed)
     scan, tau = _scan_and_tau(schedule, horizon)
     props, max_degree = scan.result()
+    rate = schedule_rho(schedule, horizon, trials)
     contraction = p = None
-    if tau is not None:
+    if tau == 1 and _repeats(schedule) is not None and schedule.period <= horizon:
+        contraction = rate  # the same max of rho(W_t) over one period (an n^3 solve each)
+    elif tau is not None:
         windows = _distinct_windows(schedule, tau, min(horizon // tau, trials))
         contraction = window_contraction(schedule, tau, windows)
+    if tau is not None:
         p = estimate_p(schedule, tau, trials, seed) if schedule.is_random else 1 - contraction**2
     return {
         "n": schedule.n,
         "edges_per_round": _mean_messages(schedule, horizon),
         "max_degree": max_degree,
         **props,
-        "rho": schedule_rho(schedule, horizon, trials),
+        "rho": rate,
         "tau": tau,
         "contraction": contraction,
         "is_random": bool(schedule.is_random),
