@@ -466,7 +466,9 @@ def save_npz(schedule: MixingSchedule, path: str | Path, rounds: int | None = No
         if rounds is None:
             raise TopologyError("save_npz: rounds is needed for an aperiodic schedule")
     rounds = _as_int(rounds, "rounds", 1)
-    w = np.stack([schedule.matrix(t) for t in range(rounds)])
+    w = np.empty((rounds, schedule.n, schedule.n))  # (a list, then its stack: twice this)
+    for t in range(rounds):
+        w[t] = schedule.matrix(t)
     labels = getattr(schedule, "labels", None)
     if labels is None:
         np.savez_compressed(path, W=w)
