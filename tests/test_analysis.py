@@ -311,7 +311,9 @@ def test_consensus_exact_average_in_log2n_rounds():
 def test_consensus_hub_phases_match_dense_matrices():
     s = HubSchedule(10, 4, seed=2)
     x = np.random.default_rng(1).standard_normal((10, 2))
+    given = x.copy()
     res = consensus_run(s, rounds=30, x0=x)
+    np.testing.assert_array_equal(x, given)  # (the rounds after the first work in place)
     y = x.copy()
     for t in range(30):
         y = s.matrix(t) @ y
@@ -503,7 +505,9 @@ def test_a_window_of_many_periods_is_a_power_of_one_period(monkeypatch):
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-13)
     applied = []
     apply_round = analysis._apply_round
-    monkeypatch.setattr(analysis, "_apply_round", lambda *a: applied.append(1) or apply_round(*a))
+    monkeypatch.setattr(
+        analysis, "_apply_round", lambda *a, **k: applied.append(1) or apply_round(*a, **k)
+    )
     assert 0 < window_contraction(schedule, tau=30_001) < 1
     assert len(applied) <= 2 * 3  # a period, and the rounds left over (not 30,001)
     # (the rows' sums drift by about rounds x 5e-17, as round by round: 1.7e-8 at 10^9)
