@@ -435,6 +435,25 @@ def test_a_random_schedules_checks_draw_each_round_once(monkeypatch):
     assert ({k: d[k] for k in apart[0]}, d["tau"]) == apart
 
 
+def test_a_disconnected_rounds_rho_is_one_without_a_solve(monkeypatch):
+    """A doubly stochastic, non-negative round whose links leave several groups has rho 1
+    exactly, without its dense solve; a row-stochastic one or one with negative weights is
+    solved (its rho may pass 1)."""
+    import topologies.analysis as analysis
+
+    halves = np.kron(np.eye(2), np.full((3, 3), 1 / 3))  # two groups, doubly stochastic
+    pulled = halves.copy()
+    pulled[0] = [0.1, 0.8, 0.1, 0, 0, 0]  # row-stochastic only
+    signed = np.kron(np.eye(2), [[1.5, -0.5, 0], [-0.5, 1.5, 0], [0, 0, 1]])
+    solves, solve = [], analysis.rho
+    monkeypatch.setattr(analysis, "rho", lambda W: solves.append(1) or solve(W))
+    for W, solved in ((halves, False), (pulled, True), (signed, True), (ring(6), True)):
+        solves.clear()
+        got = analysis.schedule_rho(ExplicitSchedule([W]))
+        assert got == pytest.approx(solve(W), abs=1e-12) and bool(solves) is solved
+    assert solve(pulled) > 1 + 1e-3 and solve(signed) > 1 + 1e-3  # (no shortcut would do)
+
+
 def test_describe_solves_a_static_schedules_spectrum_once(monkeypatch):
     """Its rho and its contraction over windows of one round are the same n^3 solve (at
     n = 3,000 the second took 2.7 of describe's 4.6 s)."""
