@@ -138,7 +138,8 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
         raise TopologyError(f"schedule{'.' if keyed else ': '}{err}") from None
     if cfg.check_schedule:  # the checks of `topology describe`, with the figures
         try:
-            check_mixing(schedule, horizon=min(100, cfg.rounds))  # (the rounds it runs)
+            check_mixing(schedule, horizon=100)  # (whatever the run's rounds: a short run
+            # of a schedule that connects over a few rounds is a smoke test, not an error)
         except TopologyError as err:
             raise GossipError(
                 f"{err}; fix the schedule, or set check_schedule: false to run it anyway"
