@@ -195,7 +195,9 @@ def _load_for_analysis(path: str) -> MixingSchedule:
         except (OSError, yaml.YAMLError, AttributeError):
             n = None  # (load reports what is wrong with the file)
         if isinstance(n, int) and not isinstance(n, bool):
-            dense = family in ("complete", "erdos_renyi") and isinstance(p, (int, float))
+            # (a p that load refuses, NaN or 40, is left to say so: no estimate from it)
+            real = isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1
+            dense = family in ("complete", "erdos_renyi") and real
             _check_dense(path, n, round(p * n * (n - 1) / 2) if dense else 0, family)
     schedule = load(path)
     _check_dense(path, schedule.n)

@@ -339,6 +339,16 @@ def test_a_dense_graph_too_large_to_build_is_refused_before_networkx_tries(
         main(["topology", "describe", str(sparse)])
 
 
+@pytest.mark.parametrize("p", [".nan", ".inf", "40", "true"])
+def test_a_bad_p_is_named_not_estimated(p, tmp_path, capsys):
+    """The edges' estimate took round(NaN) (a traceback) and told p = 40 as memory."""
+    spec = tmp_path / "er.yaml"
+    spec.write_text(f"n: 20000\ngraph: erdos_renyi\ngraph_args: {{p: {p}}}\n")
+    assert main(["topology", "describe", str(spec)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "p must be" in err[0], err
+
+
 def test_a_folder_where_consensus_writes_a_file_is_one_line(tmp_path, capsys, spec_module):
     (tmp_path / "consensus.csv").mkdir()
     spec = str(Path(__file__).resolve().parents[1] / "configs" / "topologies" / "ring16.yaml")
