@@ -217,17 +217,19 @@ def _check_dense(source: str, n: int, edges: int = 0, family: str = "") -> None:
     graph of 30,000 nodes built for minutes towards 148 GB)."""
     from gossip_pfl.runtime.threads import beyond_memory
 
-    if beyond := beyond_memory(3 * n * n * 8):  # (None where the OS does not say: numpy tries)
-        raise TopologyError(
-            f"{source}: n = {n:,}: the analysis holds three dense n x n matrices at a time, "
-            f"3 x n^2 x 8 bytes = {beyond}"
-        )
-    if beyond := beyond_memory(3 * n * n * 8 + edges * EDGE_BYTES):
+    # (None where the OS does not say: numpy tries)
+    if not (beyond := beyond_memory(3 * n * n * 8 + edges * EDGE_BYTES)):
+        return
+    if edges:
         raise TopologyError(
             f"{source}: n = {n:,}: the {family} graph's {edges:,} edges take about "
             f"{EDGE_BYTES} bytes each to build, beside the analysis's 3 x n^2 x 8 bytes: "
             f"{beyond}"
         )
+    raise TopologyError(
+        f"{source}: n = {n:,}: the analysis holds three dense n x n matrices at a time, "
+        f"3 x n^2 x 8 bytes = {beyond}"
+    )
 
 
 def _check_export(source: str, rounds: int, n: int) -> None:
