@@ -357,6 +357,34 @@ def test_bad_launches_stop_before_any_process_starts(tmp_path, capsys, kill, mes
     assert not (tmp_path / "run" / "logs").exists() and time.monotonic() - start < 5
 
 
+def test_a_failed_process_is_named_with_its_code_and_last_line(tmp_path, capsys, monkeypatch):
+    """A process of peers-local that fails (here: its port is taken by the time it listens)
+    stops the launch with one line naming the process, its exit code and its log's last
+    line, and that code: each process's exit code and output reach the launcher through the
+    fork server it starts from."""
+    from _helpers import _context
+
+    from gossip_pfl import cli_peer
+
+    _context()  # the suite's fork server: one started here would lack the tests' modules
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    busy = holder.getsockname()[1]
+    monkeypatch.setattr(cli_peer, "free_ports", lambda n: [busy, *free_ports(n - 1)])
+    cfg = _config(tmp_path, timeout_s=2)
+    try:
+        code = main(["peers-local", str(cfg), "-n", "2"])
+    finally:
+        holder.close()
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert re.fullmatch(rf"gossip-pfl: process 0 exited with code 2: gossip-pfl: .*cannot "
+                        rf"listen on tcp://127\.0\.0\.1:{busy} .*", err), err  # fmt: skip
+    # the other process waited for it, then stopped on its own timeout (runtime.timeout_s)
+    assert "did not answer within runtime.timeout_s" in (tmp_path / "run/logs/1.txt").read_text()
+
+
 def test_a_server_schedule_keeps_the_peers_average(tmp_path, capsys):
     """FedAvg's two phases through an aggregating hub, one process (in this one): the hub's
     own row is no peer, so its model appearing in the up phase is no drift (it read 0.026)."""
