@@ -73,6 +73,59 @@ def test_family_errors(call, words):
     assert "\n" not in str(err.value)
 
 
+def _networkx_erdos_renyi(n: int, p: float, seed: int) -> tuple[nx.Graph, int]:
+    """The reference: networkx's G(n, p) redrawn until connected, as erdos_renyi was written
+    (its seeds, one per try); and the tries it took."""
+    for tries, s in enumerate(g._seeds(seed, 100), start=1):
+        graph = nx.gnp_random_graph(n, p, seed=s)
+        if nx.is_connected(graph):
+            return graph, tries
+    raise AssertionError("never connected")
+
+
+@pytest.mark.parametrize("chunk", [g._CHUNK, 7])  # 7: coins in blocks that split rows
+def test_erdos_renyi_coins_are_networkxs(monkeypatch, chunk):
+    """The edges drawn as arrays are networkx's gnp_random_graph's for the same seed, in its
+    order; and the array connectivity check is networkx's, connected or not."""
+    monkeypatch.setattr(g, "_CHUNK", chunk)
+    connected = set()
+    for n in (2, 3, 17, 40, 120):
+        for p in (0.02, 0.1, 0.3, 0.5, 0.97, 1.0):
+            for s in g._seeds(n, 3):
+                ref = nx.gnp_random_graph(n, p, seed=s)
+                u, v = g._gnp_edges(n, p, s)
+                assert list(zip(u.tolist(), v.tolist())) == list(ref.edges()), (n, p, s)
+                assert g._connected(n, u, v) is nx.is_connected(ref), (n, p, s)
+                connected.add(nx.is_connected(ref))
+    assert connected == {True, False}
+
+
+def test_erdos_renyi_is_the_networkx_redraw_loops_graph():
+    """erdos_renyi gives the graph networkx's loop gave (nodes, edges in order, attributes),
+    those that took several draws to connect too; and a random schedule's round is that
+    graph's weights to the bit, without building it (metropolis, max_degree)."""
+    from topologies.schedules import RandomSchedule, _round_seed, _Rows
+    from topologies.weights import weight_rule
+
+    redrawn = 0
+    for n, p in ((30, 0.1), (120, 0.5), (200, 0.03)):
+        for seed in range(4):
+            ref, tries = _networkx_erdos_renyi(n, p, seed)
+            graph = g.erdos_renyi(n, p, seed=seed)
+            assert list(graph.nodes()) == list(ref.nodes()) and graph.graph == ref.graph
+            assert list(graph.edges()) == list(ref.edges()), (n, p, seed)
+            redrawn += tries > 1
+    assert redrawn >= 2
+    for rule in ("metropolis", "max_degree"):
+        schedule = RandomSchedule(30, "erdos_renyi", {"p": 0.15}, weights=rule, seed=3)
+        for t in range(4):
+            ref, _ = _networkx_erdos_renyi(30, 0.15, _round_seed(3, t))
+            want = _Rows(weight_rule(rule)(ref, sparse=True)).phase()
+            [got] = schedule.phases(t)
+            assert np.array_equal(got.rows, want.rows) and np.array_equal(got.cols, want.cols)
+            assert np.array_equal(got.weights, want.weights), (rule, t)
+
+
 def test_from_adjacency():
     a = np.array([[0, 1, 0], [1, 0, 1], [0, 1, 0]])
     graph = g.from_adjacency(a)

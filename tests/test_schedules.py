@@ -229,3 +229,25 @@ def test_names_and_flags():
     assert "ring(n=8)" in s.graph_schedule(8, "ring").name
     with pytest.raises(TopologyError, match="random family"):
         s.RandomSchedule(8, "ring")
+
+
+def test_a_phase_held_by_rows_sums_its_duplicates_in_their_order():
+    """A schedule's rows (CSR from a phase's triplets): entries sorted by row and column, a
+    duplicated entry summed in the order given (the bits of numpy's bincount over the
+    triplets), a row that receives nothing keeping its value (self weight 1)."""
+    rng = np.random.default_rng(5)
+    n, m = 12, 150
+    rows, cols = rng.integers(0, n - 2, m), rng.integers(0, n, m)  # (the last two: nothing)
+    vals = rng.standard_normal(m) * 10.0 ** rng.integers(-8, 8, m)  # (the order shows)
+    held = s._Rows(s.Phase(n, rows, cols, vals))
+    key = rows * n + cols
+    for k in np.unique(key):
+        [at] = np.flatnonzero(held.rows * n + held.cols == k)
+        want = np.bincount(np.zeros(int((key == k).sum()), np.int64), weights=vals[key == k])
+        assert held.vals[at] == want[0]
+    assert np.all(np.diff(held.rows * n + held.cols) > 0) and len(held.vals) < m
+    for i in range(n):
+        nbrs, weights, self_w = held.row(i)
+        own = (rows == i) & (cols == i)
+        assert np.isclose(self_w, vals[own].sum() if (rows == i).any() else 1.0)
+        assert set(nbrs.tolist()) == set(cols[(rows == i) & (cols != i)].tolist())

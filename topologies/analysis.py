@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from topologies._base import MixingSchedule, Phase, TopologyError, _is_int
+from topologies._base import MixingSchedule, Phase, TopologyError, _is_int, _sum_duplicates
 from topologies.validation import check_row_stochastic, check_square
 
 __all__ = [
@@ -221,8 +221,7 @@ def _effective_coo(schedule: MixingSchedule, t: int) -> tuple[np.ndarray, np.nda
         idle = np.flatnonzero(silent)
         keys = np.concatenate([p.rows * n + p.cols, idle * (n + 1)])
         vals = np.concatenate([p.weights, np.ones(idle.size)])
-        uniq, inv = np.unique(keys, return_inverse=True)
-        w = np.bincount(inv, weights=vals, minlength=uniq.size)
+        uniq, w = _sum_duplicates(keys, vals)
         keep = w != 0
         return uniq[keep] // n, uniq[keep] % n, w[keep]
     W = _apply_round(schedule, t, np.eye(n))  # multi-phase (hub) rounds: small effective product
@@ -587,7 +586,7 @@ def _doubly_stochastic(n: int, r: np.ndarray, c: np.ndarray, w: np.ndarray, tol:
 def _coo_symmetric(n: int, r: np.ndarray, c: np.ndarray, w: np.ndarray, tol: float) -> bool:
     big = np.abs(w) > tol
     r, c, w = r[big], c[big], w[big]
-    a, b = np.argsort(r * n + c), np.argsort(c * n + r)
+    a, b = np.argsort(r * n + c, kind="stable"), np.argsort(c * n + r, kind="stable")
     if not np.array_equal((r * n + c)[a], (c * n + r)[b]):
         return False
     return bool(np.abs(w[a] - w[b]).max(initial=0.0) <= tol)

@@ -107,8 +107,11 @@ def metropolis(graph: nx.Graph, *, sparse: bool = False) -> np.ndarray | Phase:
            [0.333..., 0.        , 0.666...]])
     """
     n, u, v, deg = _undirected_edges(graph, "metropolis")
-    w = 1.0 / (1.0 + np.maximum(deg[u], deg[v]))
-    return _symmetric(n, u, v, w, sparse)
+    return _symmetric(n, u, v, _metropolis(u, v, deg), sparse)
+
+
+def _metropolis(u: np.ndarray, v: np.ndarray, deg: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.maximum(deg[u], deg[v]))
 
 
 def max_degree(graph: nx.Graph, *, sparse: bool = False) -> np.ndarray | Phase:
@@ -128,8 +131,24 @@ def max_degree(graph: nx.Graph, *, sparse: bool = False) -> np.ndarray | Phase:
     array([0.333..., 0.333..., 0.        , 0.333...])
     """
     n, u, v, deg = _undirected_edges(graph, "max_degree")
-    w = np.full(u.shape, 1.0 / (1.0 + deg.max(initial=0)))
-    return _symmetric(n, u, v, w, sparse)
+    return _symmetric(n, u, v, _max_degree(u, v, deg), sparse)
+
+
+def _max_degree(u: np.ndarray, v: np.ndarray, deg: np.ndarray) -> np.ndarray:
+    return np.full(u.shape, 1.0 / (1.0 + deg.max(initial=0)))
+
+
+#: the rules whose edge weights need only the edges and degrees: :func:`edge_rule_phase`
+EDGE_RULES = {"metropolis": _metropolis, "max_degree": _max_degree}
+
+
+def edge_rule_phase(name: str, n: int, u: np.ndarray, v: np.ndarray) -> Phase:
+    """``weight_rule(name)(graph, sparse=True)`` of the simple undirected graph on ``0..n-1``
+    whose edges are ``(u[e], v[e])`` (no self-loops), given in the order ``graph.edges()``
+    lists them (the same bits then), without the graph: for the rules in
+    :data:`EDGE_RULES`."""
+    deg = np.bincount(np.concatenate([u, v]), minlength=n)
+    return _symmetric(n, u, v, EDGE_RULES[name](u, v, deg), True)
 
 
 def best_constant(
