@@ -251,3 +251,17 @@ def test_a_phase_held_by_rows_sums_its_duplicates_in_their_order():
         own = (rows == i) & (cols == i)
         assert np.isclose(self_w, vals[own].sum() if (rows == i).any() else 1.0)
         assert set(nbrs.tolist()) == set(cols[(rows == i) & (cols != i)].tolist())
+
+
+def test_a_pair_given_twice_is_one_message():
+    """Phase.messages counts (sender, receiver) pairs of nonzero summed weight: a pair given
+    in two entries once, one whose entries cancel not at all, self weights never."""
+    rows, cols = np.array([0, 0, 1, 1, 1, 2, 2]), np.array([1, 1, 0, 2, 2, 2, 0])
+    weights = np.array([0.25, 0.25, 0.5, 0.5, -0.5, 1.0, 0.0])
+    assert s.Phase(3, rows, cols, weights).messages == 2  # (0, 1) and (1, 0)
+    rng = np.random.default_rng(1)
+    for _ in range(20):  # against the dense matrix's off-diagonal nonzeros
+        n, m = 7, 30
+        phase = s.Phase(n, rng.integers(0, n, m), rng.integers(0, n, m), rng.random(m))
+        dense = phase.dense()
+        assert phase.messages == np.count_nonzero(dense - np.diag(np.diag(dense)))

@@ -130,6 +130,9 @@ def test_npz_import_validates(tmp_path):
         load_npz(tmp_path / "bad.npz")
     with pytest.raises(TopologyError, match="aperiodic"):
         save_npz(schedules.MatchingSchedule(4), tmp_path / "m.npz")
+    # (was numpy's FileNotFoundError, which named no folder)
+    with pytest.raises(TopologyError, match=r"save_npz: folder .*/nope does not exist"):
+        save_npz(schedules.BaseGraphSchedule(4, 1), tmp_path / "nope" / "w.npz")
 
 
 @pytest.mark.parametrize(

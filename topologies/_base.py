@@ -71,8 +71,11 @@ class Phase:
 
     @property
     def messages(self) -> int:
-        """Number of (sender, receiver) pairs with ``sender != receiver`` and nonzero weight."""
-        return int(np.count_nonzero((self.rows != self.cols) & (self.weights != 0)))
+        """Number of (sender, receiver) pairs with ``sender != receiver`` and nonzero weight
+        (a pair given twice is one message, of the entries' summed weight)."""
+        off = self.rows != self.cols
+        keys = np.asarray(self.rows[off], np.int64) * self.size + self.cols[off]
+        return int(np.count_nonzero(_sum_duplicates(keys, self.weights[off])[1]))
 
     @staticmethod
     def from_dense(w: np.ndarray) -> Phase:

@@ -466,6 +466,9 @@ def save_npz(schedule: MixingSchedule, path: str | Path, rounds: int | None = No
         if rounds is None:
             raise TopologyError("save_npz: rounds is needed for an aperiodic schedule")
     rounds = _as_int(rounds, "rounds", 1)
+    folder = Path(path).parent
+    if not folder.is_dir():  # (before the matrices are built; numpy's error named no folder)
+        raise TopologyError(f"save_npz: folder {folder} does not exist")
     w = np.empty((rounds, schedule.n, schedule.n))  # (a list, then its stack: twice this)
     for t in range(rounds):
         w[t] = schedule.matrix(t)
