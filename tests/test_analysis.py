@@ -504,6 +504,30 @@ def test_a_phase_applies_as_its_dense_matrix(density, columns, monkeypatch):
     np.testing.assert_array_equal(want[-5:], z[-5:])
 
 
+def test_a_sparse_phase_over_a_windows_columns_is_a_dense_product(monkeypatch):
+    """Applied to at least n / 4 columns (a window's product), a phase of density 1/512 to
+    1/32 is BLAS's dense product (7x faster at n = 1,000, density 0.02), to fewer columns the
+    gathers; the same matrix either way."""
+    import topologies.analysis as analysis
+
+    rng = np.random.default_rng(4)
+    n = 400
+    nnz = int(0.01 * n * n)
+    phase = Phase(n, rng.integers(0, n, nnz), rng.integers(0, n, nnz), rng.random(nnz))
+    dense, densified = phase.dense(), []
+    monkeypatch.setattr(Phase, "dense", lambda self: densified.append(1) or dense)
+    for columns, via_dense in ((n, True), (n // 4, True), (n // 4 - 1, False), (8, False)):
+        z = rng.standard_normal((n, columns))
+        got = analysis._apply_phase(phase, z)
+        assert len(densified) == via_dense, columns
+        np.testing.assert_allclose(got, dense @ z, rtol=1e-12, atol=1e-12)
+        densified.clear()
+    m = n // 2  # (density 1/800, as a ring of 2,400 peers: the gathers win)
+    thin = Phase(n, rng.integers(0, n, m), rng.integers(0, n, m), rng.random(m))
+    analysis._apply_phase(thin, np.eye(n))
+    assert not densified
+
+
 def test_a_window_of_many_periods_is_a_power_of_one_period(monkeypatch):
     """A periodic schedule's window of ``q`` periods and ``r`` rounds is ``R P^q`` (the window
     product round by round, to rounding), in a few rounds' applications: tau = 10^9 applied

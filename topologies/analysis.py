@@ -153,6 +153,11 @@ def spectral_gap(W: np.ndarray) -> float:
 #: a phase denser than this is applied as a dense product: BLAS takes its n^2 d multiply-adds
 #: faster than NumPy gathers nnz d (a complete graph's window at n = 1,000 took 75 s and 16 GB)
 _DENSE_FROM = 1 / 32
+#: ... and this, applied to at least n / 4 columns (a window's product): BLAS's matrix product
+#: then runs near its peak (0.025 ns a multiply-add on 2 cores), the gathers at 6 to 15 ns an
+#: entry: at density 0.002 dense was 1.2x to 1.4x faster for n = 1,000 and 3,000, at 0.02
+#: 7x (n = 1,000: 164 -> 23 ms); at 0.001 (a ring of 3,000) the gathers still win
+_DENSE_WIDE_FROM = 1 / 512
 #: the sparse product's gathered block, ``nnz x columns``, at most this many entries (128 MB)
 _BLOCK = 2**24
 
@@ -161,7 +166,9 @@ def _apply_phase(phase: Phase, z: np.ndarray, inplace: bool = False) -> np.ndarr
     """``phase.dense() @ z``, in O(nnz * d) for a sparse phase: rows that receive nothing keep
     their value; ``inplace``: a sparse phase writes its rows into ``z`` (each block of columns
     is gathered before it is written)."""
-    if phase.rows.size > _DENSE_FROM * phase.size**2 and phase.size == z.shape[0]:
+    wide = z.ndim == 2 and 4 * z.shape[1] >= phase.size
+    density = _DENSE_WIDE_FROM if wide else _DENSE_FROM
+    if phase.rows.size > density * phase.size**2 and phase.size == z.shape[0]:
         return phase.dense() @ z
     out = z if inplace else z.copy()
     if phase.rows.size == 0:
