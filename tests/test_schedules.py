@@ -2,6 +2,7 @@
 
 import time
 
+import networkx as nx
 import numpy as np
 import pytest
 
@@ -265,3 +266,25 @@ def test_a_pair_given_twice_is_one_message():
         phase = s.Phase(n, rng.integers(0, n, m), rng.integers(0, n, m), rng.random(m))
         dense = phase.dense()
         assert phase.messages == np.count_nonzero(dense - np.diag(np.diag(dense)))
+
+
+def test_a_matching_on_a_graph_is_the_greedy_one_edge_by_edge():
+    """A random maximal matching of a graph's edges is the one that visiting the edges in the
+    round's random order and taking each whose ends are both free makes (the Python loop it
+    was), for graphs sparse and dense, whichever way round an edge is listed."""
+
+    def one_by_one(edges: np.ndarray, n: int, seed: int, t: int) -> np.ndarray:
+        partner = np.full(n, -1)
+        rng = np.random.default_rng([seed, t])
+        for u, v in edges[rng.permutation(len(edges))].tolist():
+            if partner[u] < 0 and partner[v] < 0:
+                partner[u], partner[v] = v, u
+        return partner
+
+    for graph in (g.ring(9), g.erdos_renyi(40, 0.3, seed=1), g.erdos_renyi(120, 0.6, seed=2),
+                  nx.relabel_nodes(g.torus(16), lambda k: 15 - k)):  # fmt: skip
+        schedule = s.MatchingSchedule(graph.number_of_nodes(), graph, seed=5)
+        edges = np.array([e for e in graph.edges() if e[0] != e[1]], dtype=np.int64)
+        for t in range(6):
+            want = one_by_one(edges, graph.number_of_nodes(), 5, t)
+            np.testing.assert_array_equal(schedule.partners(t), want)

@@ -423,10 +423,7 @@ class MatchingSchedule(_RowSchedule):
             a, b = perm[0 : self.n - 1 : 2], perm[1::2]
             partner[a], partner[b] = b, a
             return partner
-        for u, v in self._edges[rng.permutation(len(self._edges))].tolist():
-            if partner[u] < 0 and partner[v] < 0:
-                partner[u], partner[v] = v, u
-        return partner
+        return _greedy_matching(self._edges[rng.permutation(len(self._edges))], partner)
 
     def _build(self, t: int) -> _Rows:
         partner = self.partners(t)
@@ -436,6 +433,25 @@ class MatchingSchedule(_RowSchedule):
         cols = np.concatenate([i, partner[matched]])
         vals = np.concatenate([np.where(matched, 0.5, 1.0), np.full(matched.sum(), 0.5)])
         return _Rows(Phase(self.n, rows, cols, vals))
+
+
+def _greedy_matching(edges: np.ndarray, partner: np.ndarray) -> np.ndarray:
+    """The matching that taking ``edges`` (E, 2) in their order makes, skipping an edge with a
+    matched end, into ``partner`` (all -1): each pass takes every edge that comes first among
+    the unmatched edges at both its ends (the edge taken in turn would be the same: nothing
+    before it touches its ends), then drops the edges at the ends taken. A few passes, not a
+    Python step an edge (14 -> 1 ms a round over G(300, 0.5))."""
+    n, order = len(partner), np.arange(len(edges))
+    u, v = edges[:, 0], edges[:, 1]
+    while len(u):
+        first = np.full(n, len(edges))
+        np.minimum.at(first, u, order)
+        np.minimum.at(first, v, order)
+        take = (first[u] == order) & (first[v] == order)
+        partner[u[take]], partner[v[take]] = v[take], u[take]
+        left = (partner[u] < 0) & (partner[v] < 0)
+        u, v, order = u[left], v[left], order[left]
+    return partner
 
 
 # ----------------------------------------------------------------------------- link failures
