@@ -98,6 +98,29 @@ def _sum_duplicates(keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.
     return keys[first], np.bincount(np.cumsum(first) - 1, weights=vals)
 
 
+def _compress(parent: np.ndarray) -> None:
+    """Pointer jumping until every node points at its root."""
+    while True:
+        grand = parent[parent]
+        if np.array_equal(grand, parent):
+            return
+        parent[:] = grand
+
+
+def _merge(parent: np.ndarray, u: np.ndarray, v: np.ndarray) -> None:
+    """Vectorized union of edges ``(u, v)`` into a star forest ``parent`` (roots hook to the
+    smallest neighbouring root, so pointers only decrease and no cycle can form)."""
+    while True:
+        ru, rv = parent[u], parent[v]
+        differ = ru != rv
+        if not differ.any():
+            return
+        lo = np.minimum(ru[differ], rv[differ])
+        hi = np.maximum(ru[differ], rv[differ])
+        np.minimum.at(parent, hi, lo)
+        _compress(parent)
+
+
 #: rounds are below this (the seeds' and draws' 64-bit integers stay in range)
 MAX_ROUND = 2**48
 

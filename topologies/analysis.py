@@ -17,7 +17,14 @@ from typing import Any
 
 import numpy as np
 
-from topologies._base import MixingSchedule, Phase, TopologyError, _is_int, _sum_duplicates
+from topologies._base import (
+    MixingSchedule,
+    Phase,
+    TopologyError,
+    _is_int,
+    _merge,
+    _sum_duplicates,
+)
 from topologies.validation import check_row_stochastic, check_square
 
 __all__ = [
@@ -273,29 +280,6 @@ def _round_edges(
         vs.append(np.where(v >= n, v + offset, v))
         extra = max(extra, p.size - n)
     return np.concatenate(us), np.concatenate(vs), extra
-
-
-def _compress(parent: np.ndarray) -> None:
-    """Pointer jumping until every node points at its root."""
-    while True:
-        grand = parent[parent]
-        if np.array_equal(grand, parent):
-            return
-        parent[:] = grand
-
-
-def _merge(parent: np.ndarray, u: np.ndarray, v: np.ndarray) -> None:
-    """Vectorized union of edges ``(u, v)`` into a star forest ``parent`` (roots hook to the
-    smallest neighbouring root, so pointers only decrease and no cycle can form)."""
-    while True:
-        ru, rv = parent[u], parent[v]
-        differ = ru != rv
-        if not differ.any():
-            return
-        lo = np.minimum(ru[differ], rv[differ])
-        hi = np.maximum(ru[differ], rv[differ])
-        np.minimum.at(parent, hi, lo)
-        _compress(parent)
 
 
 def _window_lengths(

@@ -373,8 +373,8 @@ class RandomSchedule(_RowSchedule):
 
     def _build(self, t: int) -> _Rows:
         if self.family == "erdos_renyi" and self.weights in _weights.EDGE_RULES:
-            # the same graph's edges, and the same weights, without networkx's graph: 34 ms
-            # -> 1 ms a round at n = 300, p = 0.5 (docs/speed-notes.md)
+            # the same graph's edges, and the same weights, without networkx's graph: 31 ms
+            # -> 3 ms a round at n = 300, p = 0.5 (docs/speed-notes.md)
             seed = _round_seed(self.seed, t)
             u, v = _graphs._erdos_renyi_edges(self.n, **self.family_args, seed=seed)
             return _Rows(_weights.edge_rule_phase(self.weights, self.n, u, v))
