@@ -1,5 +1,7 @@
 """YAML schedule files: every form, round trips and one-line errors."""
 
+import io
+
 import numpy as np
 import pytest
 import yaml
@@ -131,8 +133,14 @@ def test_npz_import_validates(tmp_path):
     with pytest.raises(TopologyError, match="aperiodic"):
         save_npz(schedules.MatchingSchedule(4), tmp_path / "m.npz")
     # (was numpy's FileNotFoundError, which named no folder)
-    with pytest.raises(TopologyError, match=r"save_npz: folder .*/nope does not exist"):
+    with pytest.raises(TopologyError, match=r"save_npz: .*/nope does not exist"):
         save_npz(schedules.BaseGraphSchedule(4, 1), tmp_path / "nope" / "w.npz")
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(TopologyError, match=r"save_npz: .*/a_file is not a folder"):
+        save_npz(schedules.BaseGraphSchedule(4, 1), tmp_path / "a_file" / "w.npz")
+    buffer = io.BytesIO()  # (numpy writes to a file object: so does save_npz)
+    save_npz(schedules.BaseGraphSchedule(4, 1), buffer)
+    assert np.load(io.BytesIO(buffer.getvalue()))["W"].shape == (2, 4, 4)
 
 
 @pytest.mark.parametrize(

@@ -75,6 +75,8 @@ class Phase:
         (a pair given twice is one message, of the entries' summed weight)."""
         off = self.rows != self.cols
         keys = np.asarray(self.rows[off], np.int64) * self.size + self.cols[off]
+        if np.all(keys[1:] > keys[:-1]):  # sorted and distinct (a schedule's rows): no sort
+            return int(np.count_nonzero(self.weights[off]))
         return int(np.count_nonzero(_sum_duplicates(keys, self.weights[off])[1]))
 
     @staticmethod
@@ -94,7 +96,7 @@ def _sum_duplicates(keys: np.ndarray, vals: np.ndarray) -> tuple[np.ndarray, np.
     first = np.ones(len(keys), dtype=bool)
     first[1:] = keys[1:] != keys[:-1]
     if first.all():
-        return keys, vals
+        return keys, vals + 0.0  # (bincount's 0.0 + v: a -0.0 becomes +0.0 there too)
     return keys[first], np.bincount(np.cumsum(first) - 1, weights=vals)
 
 

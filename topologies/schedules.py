@@ -411,7 +411,8 @@ class MatchingSchedule(_RowSchedule):
         if graph is not None:
             if graph.is_directed() or graph.number_of_nodes() != self.n:
                 raise TopologyError(f"matching needs an undirected graph on n={self.n} nodes")
-            self._edges = np.array([e for e in graph.edges() if e[0] != e[1]], dtype=np.int64)
+            edges = [e for e in graph.edges() if e[0] != e[1]]
+            self._edges = np.array(edges, dtype=np.int64).reshape(-1, 2)  # (no edges: (0, 2))
         self.name = f"matching(n={self.n})" + ("" if graph is None else " on graph")
 
     def partners(self, t: int) -> np.ndarray:

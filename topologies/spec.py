@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 import zipfile
 from collections.abc import Hashable
 from pathlib import Path
@@ -466,9 +467,10 @@ def save_npz(schedule: MixingSchedule, path: str | Path, rounds: int | None = No
         if rounds is None:
             raise TopologyError("save_npz: rounds is needed for an aperiodic schedule")
     rounds = _as_int(rounds, "rounds", 1)
-    folder = Path(path).parent
-    if not folder.is_dir():  # (before the matrices are built; numpy's error named no folder)
-        raise TopologyError(f"save_npz: folder {folder} does not exist")
+    folder = Path(path).parent if isinstance(path, (str, os.PathLike)) else None  # (or a file)
+    if folder is not None and not folder.is_dir():  # (numpy's error named no folder)
+        what = "is not a folder" if folder.exists() else "does not exist"
+        raise TopologyError(f"save_npz: {folder} {what}")
     w = np.empty((rounds, schedule.n, schedule.n))  # (a list, then its stack: twice this)
     for t in range(rounds):
         w[t] = schedule.matrix(t)
