@@ -26,7 +26,7 @@ Writes RUN_DIR/bench_p2p.json and RUN_DIR/bench_p2p.md (and each run's folder un
         [--n-test 1000] [--link-timeout 30] [--out RUN_DIR]
 
 Slow on a small machine: every process builds its data (the kill case's 9 processes about
-0.6 GB each, measured when each also imported torch itself; they now fork from one server);
+0.6 GB each, measured when each also imported torch itself; they now fork from the launcher);
 use ``--rounds`` and ``--n-test`` to fit (the kill case needs rounds > 20). A lost round
 costs up to a link timeout (``--link-timeout``).
 """

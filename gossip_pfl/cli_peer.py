@@ -14,19 +14,20 @@ summary.json. ``merge`` turns them into the usual RUN_DIR/metrics.jsonl and summ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
-import multiprocessing as mp
 import os
 import shutil
+import signal
 import socket
+import subprocess
 import sys
+import threading
 import time
+import traceback
 import warnings
-from multiprocessing import forkserver
-from multiprocessing.context import BaseContext
-from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 
@@ -233,14 +234,16 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
         base += ["--set", o]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     restarts = {k["id"]: k["restart"] for k in cfg.runtime.faults.kill if "restart" in k}
-    ctx = _peer_context(env)
+    forks = _can_fork(env)
 
-    def start(k: int, rejoin: list[str] = ()) -> BaseProcess:
-        log = str(run_dir / "logs" / f"{k}.txt")
-        p = ctx.Process(target=_peer_process, args=([*base, "--id", str(k), *rejoin], log, env),
-                        name=f"gossip-pfl peer {k}")  # fmt: skip
-        p.start()
-        return p
+    def start(k: int, rejoin: list[str] = ()) -> subprocess.Popen | _Forked:
+        log = run_dir / "logs" / f"{k}.txt"
+        argv = [*base, "--id", str(k), *rejoin]
+        if forks:
+            return _Forked(argv, log, env)
+        with open(log, "a") as out:  # (the child holds its own copy)
+            cmd = [sys.executable, "-m", "gossip_pfl", *argv]
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     running = {k: start(k) for k in range(args.n)}
     # a restart's process starts now, on standby: it loads its data, takes the port once the
@@ -251,17 +254,17 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
     codes: dict[int, int] = {}
     while running or standby:  # each process is bounded by its own timeouts
         for k, p in list(running.items()):
-            if p.exitcode is None:
+            if p.poll() is None:
                 continue
             del running[k]
-            if p.exitcode == KILLED_EXIT and k in standby:
+            if p.returncode == KILLED_EXIT and k in standby:
                 running[k] = standby.pop(k)
             else:
-                codes[k] = p.exitcode
+                codes[k] = p.returncode
         if not running:  # a standby whose process was never killed
             for p in standby.values():
                 p.kill()
-                p.join()
+                p.wait()
             standby = {}
         time.sleep(0.05)
     failed = {k: c for k, c in codes.items() if c not in (0, KILLED_EXIT)}
@@ -277,41 +280,83 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
     return 0
 
 
-def _peer_context(env: dict[str, str]) -> BaseContext:
-    """Where ``peers-local`` starts its processes: a fork server that imported torch and loaded
-    the compiled loops once (:mod:`gossip_pfl.runtime.preload`), so a process starts in a
-    fraction of a second, not the 3 s of CPU its own imports take (``-n 4`` with a restart:
-    five of them on a 2-core machine). Each is still a new process with nothing of this one:
-    its arguments and environment come with it. Where there is no fork server (Windows), a
-    spawned interpreter, as a subprocess was."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["gossip_pfl.runtime.preload", "gossip_pfl.cli_peer"])
-    # the server, a new interpreter, loads torch with the peers' environment (OpenMP reads
-    # its variables as it loads); a server already running in this process is used as it is
+def _can_fork(env: dict[str, str]) -> bool:
+    """Whether ``peers-local`` forks its processes from itself: on Linux, from a launcher that
+    had not loaded torch, which then loads torch and the compiled loops once, computing
+    nothing (:mod:`gossip_pfl.runtime.preload`; no thread pool yet to break across a fork).
+    A process then starts in a fraction of a second, not the 3 s of CPU its own interpreter
+    takes to import them (``-n 4`` with a restart: five of them on a 2-core machine). A
+    program that already holds torch (a notebook, a test) starts each process with its own
+    interpreter, as macOS and Windows do (forking after their frameworks load is unsafe)."""
+    if not sys.platform.startswith("linux") or "torch" in sys.modules:
+        return False
     saved = dict(os.environ)
-    os.environ.update(env)
+    os.environ.update(env)  # OpenMP reads its variables as torch loads it
     try:
-        forkserver.ensure_running()
+        import gossip_pfl.runtime.preload  # noqa: F401
+    except Exception:  # (each process's own interpreter then says what failed, in its log)
+        return False
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return ctx
+    return threading.active_count() == 1
 
 
-def _peer_process(argv: list[str], log: str, env: dict[str, str]) -> None:
-    """One process of ``peers-local``: ``gossip-pfl peer ARGV`` with its output appended to
-    ``log`` and the launcher's environment (a forked process has its server's)."""
-    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    os.environ.clear()
-    os.environ.update(env)
-    from gossip_pfl.cli import main
+class _Forked:
+    """``gossip-pfl peer ARGV`` in a child forked from the launcher, its output appended to
+    ``log`` and its environment ``env``: the part of ``subprocess.Popen`` the launcher uses
+    (``pid``, ``poll``, ``wait``, ``kill``, ``returncode``)."""
 
-    sys.exit(main(argv))
+    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
+        sys.stdout.flush()  # (else the child writes the launcher's buffered text again)
+        sys.stderr.flush()
+        self.pid, self.returncode = os.fork(), None
+        if self.pid == 0:
+            _run_forked(argv, out, env)  # never returns
+        os.close(out)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
+
+
+def _run_forked(argv: list[str], out: int, env: dict[str, str]) -> NoReturn:
+    """The forked child: the ``peer`` command's exit code, as its own interpreter's would be;
+    it never returns into the launcher."""
+    code = 1
+    try:
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        os.environ.clear()
+        os.environ.update(env)
+        from gossip_pfl.cli import main
+
+        code = main(argv)
+    except SystemExit as stop:  # (argparse's exit; sys.exit)
+        if isinstance(stop.code, str):
+            print(stop.code, file=sys.stderr)
+        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        with contextlib.suppress(BaseException):
+            sys.stdout.flush()
+            sys.stderr.flush()
+        os._exit(code if isinstance(code, int) else int(code is not None))
 
 
 # ---- merging ---------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""Imported once by a fork server, before the processes that fork from it (``peers-local``'s
-peer processes, the tests' Gloo ranks): torch, and numba's start with the compiled CPU loops
-that every linear run calls. Each process then starts with them instead of spending about 3 s
-of CPU importing and loading them itself (torch about 2 s, numba's start and its loops' loads
-about 0.6 s).
+"""Imported once by a process that others fork from (``peers-local``'s launcher, before it
+forks its peer processes; the tests' fork server, before their Gloo ranks): torch, and numba's
+start with the compiled CPU loops that every linear run calls. Each process then starts with
+them instead of spending about 3 s of CPU importing and loading them itself (torch about 2 s,
+numba's start and its loops' loads about 0.6 s).
 
 Imports and loads only: no torch computation, whose thread pool must start in each process,
 after the fork (each sets its own thread count then). Importing this module does the loading:
