@@ -14,20 +14,16 @@ summary.json. ``merge`` turns them into the usual RUN_DIR/metrics.jsonl and summ
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
-import traceback
 import warnings
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -229,21 +225,17 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     peers = run_dir / "peers.yaml"
     peers.write_text("".join(f"{k}: 127.0.0.1:{p}\n" for k, p in enumerate(free_ports(args.n))))
-    base = ["peer", args.config, "--peers", str(peers), "--out", str(run_dir), "--quiet"]
+    base = [sys.executable, "-m", "gossip_pfl", "peer", args.config, "--peers", str(peers),
+            "--out", str(run_dir), "--quiet"]  # fmt: skip
     for o in args.overrides:
         base += ["--set", o]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     restarts = {k["id"]: k["restart"] for k in cfg.runtime.faults.kill if "restart" in k}
-    forks = _can_fork(env)
 
-    def start(k: int, rejoin: list[str] = ()) -> subprocess.Popen | _Forked:
-        log = run_dir / "logs" / f"{k}.txt"
-        argv = [*base, "--id", str(k), *rejoin]
-        if forks:
-            return _Forked(argv, log, env)
-        with open(log, "a") as out:  # (the child holds its own copy)
-            cmd = [sys.executable, "-m", "gossip_pfl", *argv]
-            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+    def start(k: int, rejoin: list[str] = ()) -> subprocess.Popen:
+        log = open(run_dir / "logs" / f"{k}.txt", "a")  # noqa: SIM115 - the child holds it
+        cmd = [*base, "--id", str(k), *rejoin]
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
     running = {k: start(k) for k in range(args.n)}
     # a restart's process starts now, on standby: it loads its data, takes the port once the
@@ -278,85 +270,6 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
     summary = merge(run_dir)
     _print_summary(summary, run_dir)
     return 0
-
-
-def _can_fork(env: dict[str, str]) -> bool:
-    """Whether ``peers-local`` forks its processes from itself: on Linux, from a launcher that
-    had not loaded torch, which then loads torch and the compiled loops once, computing
-    nothing (:mod:`gossip_pfl.runtime.preload`; no thread pool yet to break across a fork).
-    A process then starts in a fraction of a second, not the 3 s of CPU its own interpreter
-    takes to import them (``-n 4`` with a restart: five of them on a 2-core machine). A
-    program that already holds torch (a notebook, a test) starts each process with its own
-    interpreter, as macOS and Windows do (forking after their frameworks load is unsafe)."""
-    if not sys.platform.startswith("linux") or "torch" in sys.modules:
-        return False
-    saved = dict(os.environ)
-    os.environ.update(env)  # OpenMP reads its variables as torch loads it
-    try:
-        import gossip_pfl.runtime.preload  # noqa: F401
-    except Exception:  # (each process's own interpreter then says what failed, in its log)
-        return False
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return threading.active_count() == 1
-
-
-class _Forked:
-    """``gossip-pfl peer ARGV`` in a child forked from the launcher, its output appended to
-    ``log`` and its environment ``env``: the part of ``subprocess.Popen`` the launcher uses
-    (``pid``, ``poll``, ``wait``, ``kill``, ``returncode``)."""
-
-    def __init__(self, argv: list[str], log: Path, env: dict[str, str]) -> None:
-        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
-        sys.stdout.flush()  # (else the child writes the launcher's buffered text again)
-        sys.stderr.flush()
-        self.pid, self.returncode = os.fork(), None
-        if self.pid == 0:
-            _run_forked(argv, out, env)  # never returns
-        os.close(out)
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self) -> int:
-        if self.returncode is None:
-            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
-        return self.returncode
-
-    def kill(self) -> None:
-        if self.returncode is None:
-            os.kill(self.pid, signal.SIGKILL)
-
-
-def _run_forked(argv: list[str], out: int, env: dict[str, str]) -> NoReturn:
-    """The forked child: the ``peer`` command's exit code, as its own interpreter's would be;
-    it never returns into the launcher."""
-    code = 1
-    try:
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
-        os.environ.clear()
-        os.environ.update(env)
-        from gossip_pfl.cli import main
-
-        code = main(argv)
-    except SystemExit as stop:  # (argparse's exit; sys.exit)
-        if isinstance(stop.code, str):
-            print(stop.code, file=sys.stderr)
-        code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        with contextlib.suppress(BaseException):
-            sys.stdout.flush()
-            sys.stderr.flush()
-        os._exit(code if isinstance(code, int) else int(code is not None))
 
 
 # ---- merging ---------------------------------------------------------------------------

@@ -73,11 +73,9 @@ def _worker(rank, world, port, fn, args, out_dir, environ, env):
 
 
 #: what the fork server imports once, before any rank forks from it: imports, and the compiled
-#: CPU loops loaded (gossip_pfl.runtime.preload, as for peers-local's processes); no torch
-#: computation (torch starts its thread pool at its first parallel computation, which each
-#: rank does after the fork)
-_PRELOAD = ["numpy", "torch", "torch.distributed", "gossip_pfl.train", "_helpers",
-            "gossip_pfl.runtime.preload"]  # fmt: skip
+#: CPU loops loaded (_forkserver); no torch computation (torch starts its thread pool at its
+#: first parallel computation, which each rank does after the fork)
+_PRELOAD = ["numpy", "torch", "torch.distributed", "gossip_pfl.train", "_helpers", "_forkserver"]
 
 
 def _context():

@@ -544,8 +544,8 @@ def _loaded_before_the_fork() -> dict:
 def test_ranks_fork_with_the_compiled_loops_loaded():
     """A rank of run_ranks starts with every module of the fork server's preload, numba and
     the compiled loops among them. A preload the server cannot import is skipped without a
-    word: Python 3.11's fork server, which ignores the tests' sys.path, skipped the tests'
-    module that loaded them then, and every rank loaded numba itself (about a second each)."""
+    word: Python 3.11's fork server, which ignores the tests' sys.path, skipped
+    tests/_forkserver.py, and every rank loaded numba itself (about a second each)."""
     pytest.importorskip("numba")
     [(status, got)] = run_ranks(1, _loaded_before_the_fork)
     assert status == "ok", got
