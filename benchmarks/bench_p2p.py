@@ -25,7 +25,7 @@ Writes RUN_DIR/bench_p2p.json and RUN_DIR/bench_p2p.md (and each run's folder un
         [--kill-procs 8] [--kill-clients 160] [--equal-procs 4] [--equal-clients 8]
         [--n-test 1000] [--link-timeout 30] [--out RUN_DIR]
 
-Slow on a small machine: every process imports torch and builds its data (the kill case's 9
+Slow on a small machine: every process builds its data (the kill case's 9
 processes about 0.6 GB each); use ``--rounds`` and ``--n-test`` to fit (the kill case needs
 rounds > 20). A lost round costs up to a link timeout (``--link-timeout``).
 """

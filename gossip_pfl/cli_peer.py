@@ -14,9 +14,11 @@ summary.json. ``merge`` turns them into the usual RUN_DIR/metrics.jsonl and summ
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -225,40 +227,33 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     peers = run_dir / "peers.yaml"
     peers.write_text("".join(f"{k}: 127.0.0.1:{p}\n" for k, p in enumerate(free_ports(args.n))))
-    base = [sys.executable, "-m", "gossip_pfl", "peer", args.config, "--peers", str(peers),
-            "--out", str(run_dir), "--quiet"]  # fmt: skip
+    base = ["peer", args.config, "--peers", str(peers), "--out", str(run_dir), "--quiet"]
     for o in args.overrides:
         base += ["--set", o]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     restarts = {k["id"]: k["restart"] for k in cfg.runtime.faults.kill if "restart" in k}
+    # on Linux the processes fork from one server that loaded torch once (peer_server.py);
+    # elsewhere (forking after torch has loaded is unsafe on macOS) each is an interpreter
+    server = None
+    if sys.platform.startswith("linux"):
+        from gossip_pfl.peer_server import PeerServer
 
-    def start(k: int, rejoin: list[str] = ()) -> subprocess.Popen:
-        log = open(run_dir / "logs" / f"{k}.txt", "a")  # noqa: SIM115 - the child holds it
-        cmd = [*base, "--id", str(k), *rejoin]
-        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        server = PeerServer(env, str(run_dir / "logs" / "server.txt"))
 
-    running = {k: start(k) for k in range(args.n)}
-    # a restart's process starts now, on standby: it loads its data, takes the port once the
-    # crashed process has exited (and been reaped here), then waits for the others to reach
-    # the restart round
-    standby = {k: start(k, ["--resume", "--wait-round", str(r), "--after-pid",
-                            str(running[k].pid)]) for k, r in restarts.items()}  # fmt: skip
-    codes: dict[int, int] = {}
-    while running or standby:  # each process is bounded by its own timeouts
-        for k, p in list(running.items()):
-            if p.poll() is None:
-                continue
-            del running[k]
-            if p.returncode == KILLED_EXIT and k in standby:
-                running[k] = standby.pop(k)
-            else:
-                codes[k] = p.returncode
-        if not running:  # a standby whose process was never killed
-            for p in standby.values():
-                p.kill()
-                p.wait()
-            standby = {}
-        time.sleep(0.05)
+    def start(k: int, rejoin: list[str] = ()):
+        log = run_dir / "logs" / f"{k}.txt"
+        argv = [*base, "--id", str(k), *rejoin]
+        if server is not None:
+            return server.start(argv, str(log))
+        with open(log, "a") as out:  # (the child holds its own copy)
+            cmd = [sys.executable, "-m", "gossip_pfl", *argv]
+            return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+    try:
+        codes = _watch(start, args.n, restarts)
+    finally:
+        if server is not None:
+            server.close()
     failed = {k: c for k, c in codes.items() if c not in (0, KILLED_EXIT)}
     if failed:
         k, code = sorted(failed.items())[0]
@@ -270,6 +265,42 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
     summary = merge(run_dir)
     _print_summary(summary, run_dir)
     return 0
+
+
+def _watch(start, n: int, restarts: dict[int, int]) -> dict[int, int]:
+    """Start processes ``0..n-1`` (``start(k, extra_args)``), restart those the kill schedule
+    crashes, and wait for all; their exit codes by id."""
+    running, standby, codes = {}, {}, {}
+    try:
+        for k in range(n):
+            running[k] = start(k)
+        # a restart's process starts now, on standby: it loads its data, takes the port once
+        # the crashed process has exited (and been reaped), then waits for the others to
+        # reach the restart round
+        for k, r in restarts.items():
+            rejoin = ["--resume", "--wait-round", str(r), "--after-pid", str(running[k].pid)]
+            standby[k] = start(k, rejoin)
+        while running or standby:  # each process is bounded by its own timeouts
+            for k, p in list(running.items()):
+                if p.poll() is None:
+                    continue
+                del running[k]
+                if p.returncode == KILLED_EXIT and k in standby:
+                    running[k] = standby.pop(k)
+                else:
+                    codes[k] = p.returncode
+            if not running:  # a standby whose process was never killed
+                for p in standby.values():
+                    p.kill()
+                    p.wait()
+                standby = {}
+            time.sleep(0.05)
+    except GossipError:  # (the process server died: its processes stop, each checkpointed)
+        for p in [*running.values(), *standby.values()]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGTERM)
+        raise
+    return codes
 
 
 # ---- merging ---------------------------------------------------------------------------

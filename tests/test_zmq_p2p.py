@@ -381,6 +381,44 @@ def test_a_failed_process_is_named_with_its_code_and_last_line(tmp_path, capsys,
     assert "did not answer within runtime.timeout_s" in (tmp_path / "run/logs/1.txt").read_text()
 
 
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie that no one reaped has ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process server: Linux")
+def test_a_dead_process_server_stops_the_launch_and_its_processes(tmp_path, capsys, monkeypatch):
+    """peers-local's process server killed once it has forked process 0: one line naming it
+    and its exit code, exit 2, and process 0 stopped (SIGTERM) rather than left running."""
+    import signal
+
+    from gossip_pfl import peer_server
+
+    started, start = [], peer_server.PeerServer.start
+
+    def start_then_die(self, argv, log):
+        served = start(self, argv, log)
+        started.append(served.pid)
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        return served
+
+    monkeypatch.setattr(peer_server.PeerServer, "start", start_then_die)
+    code = main(["peers-local", str(_config(tmp_path, timeout_s=30)), "-n", "2"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1, err
+    assert err == "gossip-pfl: error: peers-local: its process server exited with code -9", err
+    [pid] = started
+    deadline = time.monotonic() + 20
+    while _running(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not _running(pid)
+
+
 def test_a_server_schedule_keeps_the_peers_average(tmp_path, capsys):
     """FedAvg's two phases through an aggregating hub, one process (in this one): the hub's
     own row is no peer, so its model appearing in the up phase is no drift (it read 0.026)."""
