@@ -17,6 +17,7 @@ import argparse
 import contextlib
 import json
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -150,7 +151,10 @@ def cmd_peer(args: argparse.Namespace) -> int:
         trainer = PeerTrainer(cfg, dataset, comm, log)
         trainer.wait_round = args.wait_round
         summary = trainer.run(resume=args.resume)
-    except RunStopped as stop:
+    except RunStopped as stop:  # (not `run --resume`: a peer process resumes as it started)
+        again = ["peer", args.config, "--peers", str(source), "--id", str(args.id),
+                 *[x for o in args.overrides for x in ("--set", o)]]  # fmt: skip
+        stop.resume = shlex.join(["gossip-pfl", *again, "--out", str(run_dir), "--resume"])
         print(f"gossip-pfl: {stop}")
         return stop.code
     finally:

@@ -52,12 +52,16 @@ class RunStopped(Exception):
     """A run stopped by SIGTERM or SIGINT after finishing a round and writing its checkpoint."""
 
     def __init__(self, signum: int, rounds_done: int, out: Path):
-        name = signal.Signals(signum).name if signum in iter(signal.Signals) else str(signum)
-        super().__init__(
-            f"stopped by {name} after round {rounds_done}; checkpoint saved; continue with: "
-            f"gossip-pfl run --resume {out}"
-        )
+        super().__init__(signum, rounds_done, out)
+        self.signal = signal.Signals(signum).name if signum in iter(signal.Signals) else signum
+        self.rounds_done = rounds_done
+        #: how to continue (a peer process of a peer-to-peer run says its own command)
+        self.resume = f"gossip-pfl run --resume {out}"
         self.code = 128 + signum  # the shell's convention: 130 for SIGINT, 143 for SIGTERM
+
+    def __str__(self) -> str:
+        return (f"stopped by {self.signal} after round {self.rounds_done}; checkpoint saved; "
+                f"continue with: {self.resume}")  # fmt: skip
 
 
 class StopSignals:

@@ -419,6 +419,36 @@ def test_a_dead_process_server_stops_the_launch_and_its_processes(tmp_path, caps
     assert not _running(pid)
 
 
+def test_a_stopped_peer_process_says_how_to_resume_it(tmp_path):
+    """SIGTERM to a peer process: it checkpoints and says the `peer ... --resume` command that
+    continues it (it said `run --resume`, which a peer-to-peer folder is refused), and that
+    command, run, finishes the run."""
+    import signal
+
+    cfg = _config(tmp_path, timeout_s=30)
+    peers = tmp_path / "peers.yaml"
+    peers.write_text(yaml.safe_dump(_ports(1)))
+    run = tmp_path / "run"
+    argv = ["peer", str(cfg), "--peers", str(peers), "--id", "0", "--set", "rounds=100000"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "gossip_pfl", *argv, "--out", str(run)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    metrics = run / "peers" / "0" / "metrics.jsonl"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None and not metrics.exists():
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 143, stderr
+    hint = stdout.strip().splitlines()[-1].split("continue with: ")[1]
+    assert shlex.split(hint) == ["gossip-pfl", *argv, "--out", str(run), "--resume"], hint
+    done = json.loads(metrics.read_text().splitlines()[-1])["round"]
+    resumed = shlex.split(hint)[1:] + ["--set", f"rounds={done + 2}"]
+    assert main(resumed) == 0
+    summary = json.loads((run / "peers" / "0" / "summary.json").read_text())
+    assert summary["round"] == done + 2
+
+
 def test_a_server_schedule_keeps_the_peers_average(tmp_path, capsys):
     """FedAvg's two phases through an aggregating hub, one process (in this one): the hub's
     own row is no peer, so its model appearing in the up phase is no drift (it read 0.026)."""
