@@ -255,9 +255,12 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
 
     try:
         codes = _watch(start, args.n, restarts)
-    finally:
+    except BaseException:  # (Ctrl-C, an error: no start still queued may fork a peer after)
         if server is not None:
-            server.close()
+            server.close(abort=True)
+        raise
+    if server is not None:
+        server.close()
     failed = {k: c for k, c in codes.items() if c not in (0, KILLED_EXIT)}
     if failed:
         k, code = sorted(failed.items())[0]

@@ -4,17 +4,19 @@ own interpreter spending about 3 s of CPU on them (docs/p2p.md).
 
 The launcher starts the server as it started a peer process (a ``subprocess`` with a clean
 set of descriptors and the peers' environment), so a peer forked from it has what a peer
-started on its own had: the environment, no descriptor of the launcher's caller, its own
-``sys.stdout`` over its log, SIGINT as Python's default. Requests and replies are JSON lines
-on the server's stdin and on a copy of its first stdout (the real one goes to its stderr, so
-nothing printed while importing can garble a reply):
+started on its own had: the environment, no descriptor of the launcher's caller, the
+interpreter's own ``sys.stdout`` and ``sys.stderr`` (now over its log), Python's SIGINT.
+Requests come as JSON lines on the server's stdin, replies go on a pipe of their own (nothing
+the server or a library prints can garble them):
 
-    launcher -> server   {"argv": ["peer", ...], "log": "RUN_DIR/logs/K.txt"}
-    server -> launcher   {"pid": PID}                   (one a request, in order)
+    launcher -> server   {"start": ["peer", ...], "log": "RUN_DIR/logs/K.txt"}
+                         {"kill": PID}                  (SIGKILL, if PID is its running child)
+    server -> launcher   {"pid": PID}                   (one a start, in order)
                          {"exited": PID, "code": CODE}  (Popen's returncode: -N for signal N)
 
-The server ends when its stdin does (the launcher has finished or died); the peers it forked
-then run on, as processes started by a launcher that dies do.
+The server ends when its stdin does (the launcher has finished): the peers it forked run on,
+as processes started by a launcher run on when it ends. Ctrl-C ends it, and a launcher stopped
+by an error kills it, so that no start still queued forks a peer after the stop.
 """
 
 from __future__ import annotations
@@ -51,11 +53,10 @@ def preload() -> None:
     kernels.warm_up(kernels.COMMON)  # (a run of pFedMe, APFL or FedLi-LS loads its own)
 
 
-def serve() -> None:
-    """The server's loop (``python -m gossip_pfl.peer_server``)."""
-    replies = os.dup(1)
-    os.dup2(2, 1)  # (what anything prints goes to the server's log, not into a reply)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C stops the peers and the launcher
+def serve(replies: int) -> None:
+    """The server's loop (``python -m gossip_pfl.peer_server FD``: replies on descriptor FD).
+    Ctrl-C ends it as it ends the launcher, so that no start still queued forks a peer after
+    it (a peer forked the moment before has Python's SIGINT handler from the start)."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (an ignored one would hide exit codes)
     preload()
     import gossip_pfl.cli  # noqa: F401  (the peers' command, imported once too)
@@ -68,15 +69,21 @@ def serve() -> None:
         if readable:
             chunk = os.read(0, 1 << 16)
             if not chunk:
-                return  # the launcher is gone; the peers run on
+                return  # the launcher has finished; the peers run on
             pending += chunk
             while b"\n" in pending:
                 line, pending = pending.split(b"\n", 1)
                 request = json.loads(line)
+                if "kill" in request:
+                    if request["kill"] in children:  # (not a pid reaped and reused)
+                        os.kill(request["kill"], signal.SIGKILL)
+                    continue
+                sys.stdout.flush()  # (a forked peer would write the server's text again)
+                sys.stderr.flush()
                 pid = os.fork()
                 if pid == 0:
                     os.close(replies)
-                    _peer(request["argv"], request["log"])  # never returns
+                    _peer(request["start"], request["log"])  # never returns
                 children.add(pid)
                 _reply(replies, {"pid": pid})
         for pid in list(children):
@@ -95,19 +102,16 @@ def _reply(fd: int, message: dict) -> None:
 
 def _peer(argv: list[str], log: str) -> None:
     """A forked peer: ``gossip-pfl ARGV`` with its output appended to ``log``; it leaves with
-    the command's exit code and never returns into the server."""
+    the command's exit code (120 where its output cannot be flushed, as an interpreter does)
+    and never returns into the server."""
     code = 1
     try:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
         null = os.open(os.devnull, os.O_RDONLY)
         out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o666)
         for fd, to in ((null, 0), (out, 1), (out, 2)):
             os.dup2(fd, to)
         os.close(null)
         os.close(out)
-        sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's own, as at a start)
-        sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
-        sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         from gossip_pfl.cli import main
 
         result = main(argv)
@@ -121,59 +125,72 @@ def _peer(argv: list[str], log: str) -> None:
 
         traceback.print_exc()
     finally:
-        with contextlib.suppress(BaseException):
+        try:
             sys.stdout.flush()
             sys.stderr.flush()
+        except BaseException:
+            code = 120
         os._exit(code)
 
 
 class PeerServer:
     """The launcher's side: ``start`` forks a peer and returns a handle with the part of
     ``subprocess.Popen`` the launcher uses (``pid``, ``poll``, ``wait``, ``kill``,
-    ``returncode``); ``close`` ends the server (the peers run on)."""
+    ``returncode``); ``close`` ends the server."""
 
     def __init__(self, env: dict[str, str], log: str) -> None:
         import subprocess
 
-        with open(log, "a") as err:  # (the server holds its own copy)
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gossip_pfl.peer_server"],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=err, env=env,
-            )  # fmt: skip
-        self.log, self.codes, self._pending = log, {}, b""
+        replies, write = os.pipe()
+        try:
+            with open(log, "a") as out:  # (the server holds its own copy)
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "gossip_pfl.peer_server", str(write)],
+                    stdin=subprocess.PIPE, stdout=out, stderr=out, env=env,
+                    pass_fds=(write,),
+                )  # fmt: skip
+        finally:
+            os.close(write)
+        self._replies = os.fdopen(replies, "rb", buffering=0)
+        self.log, self.codes, self._pids, self._pending = log, {}, [], b""
 
     def start(self, argv: list[str], log: str) -> _Served:
-        try:
-            self.proc.stdin.write((json.dumps({"argv": argv, "log": log}) + "\n").encode())
-            self.proc.stdin.flush()
-        except BrokenPipeError:
-            raise self._died() from None
+        self._send({"start": argv, "log": log})
         deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:  # (the first waits for the server's imports)
-            for message in self._read(timeout=1.0):
-                if "pid" in message:
-                    return _Served(self, message["pid"])
-        raise GossipError(f"peers-local: its process server started no process in "
-                          f"{START_TIMEOUT_S} s (its log: {self.log})")  # fmt: skip
+        while not self._pids:  # (the first waits for the server's imports)
+            if time.monotonic() > deadline:
+                raise GossipError(f"peers-local: its process server started no process in "
+                                  f"{START_TIMEOUT_S} s (its log: {self.log})")  # fmt: skip
+            self._read(timeout=1.0)
+        return _Served(self, self._pids.pop(0))
+
+    def kill(self, pid: int) -> None:
+        self._send({"kill": pid})
 
     def poll(self) -> None:
         """Take in the exits reported so far."""
-        list(self._read(timeout=0.0))
+        self._read(timeout=0.0)
 
-    def _read(self, timeout: float):
-        readable, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not readable:
-            return
-        chunk = os.read(self.proc.stdout.fileno(), 1 << 16)
-        if not chunk:
-            raise self._died()
-        self._pending += chunk
-        while b"\n" in self._pending:
+    def _send(self, request: dict) -> None:
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise self._died() from None
+
+    def _read(self, timeout: float) -> None:
+        if select.select([self._replies], [], [], timeout)[0]:
+            chunk = self._replies.read(1 << 16)
+            if not chunk:
+                raise self._died()
+            self._pending += chunk
+        while b"\n" in self._pending:  # (every whole reply, those of an earlier read too)
             line, self._pending = self._pending.split(b"\n", 1)
             message = json.loads(line)
             if "exited" in message:
                 self.codes[message["exited"]] = message["code"]
-            yield message
+            else:
+                self._pids.append(message["pid"])
 
     def _died(self) -> GossipError:
         code = self.proc.wait()
@@ -182,14 +199,20 @@ class PeerServer:
         return GossipError(f"peers-local: its process server exited with code {code}"
                            + (f": {lines[-1]}" if lines else ""))  # fmt: skip
 
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except Exception:  # (a server that does not end: it is of no use now)
+    def close(self, abort: bool = False) -> None:
+        """End the server: at once when ``abort`` (a start still queued forks no peer), else
+        once it has read every request."""
+        if not abort:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+            with contextlib.suppress(Exception):
+                self.proc.wait(timeout=10)
+        if self.proc.poll() is None:  # (aborted, or a server that does not end)
             self.proc.kill()
             self.proc.wait()
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        self._replies.close()
 
 
 class _Served:
@@ -211,9 +234,11 @@ class _Served:
 
     def kill(self) -> None:
         if self.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
+            self.server.kill(self.pid)
 
 
 if __name__ == "__main__":
-    serve()
+    try:
+        serve(int(sys.argv[1]))
+    except KeyboardInterrupt:
+        sys.exit(130)

@@ -449,6 +449,39 @@ def test_a_stopped_peer_process_says_how_to_resume_it(tmp_path):
     assert summary["round"] == done + 2
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the process server: Linux")
+def test_the_process_server_reports_every_exit(tmp_path, monkeypatch):
+    """The process server's replies: two processes that fail at once (exit 2), their exits
+    read together with a start's reply and a launcher slow to read (an exit left unparsed
+    behind a pid hung the launcher), and a line printed as the server starts (on its stdout,
+    not on the replies' pipe). A kill of a process that has ended is not sent to its pid."""
+    from gossip_pfl import peer_server
+
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text('print("hello from sitecustomize", flush=True)\n')
+    path = os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    select = peer_server.select.select
+
+    def slow(*args):
+        time.sleep(0.3)
+        return select(*args)
+
+    server = peer_server.PeerServer(env, str(tmp_path / "server.txt"))
+    try:
+        monkeypatch.setattr(peer_server.select, "select", slow)
+        a = server.start(["peer"], str(tmp_path / "a.txt"))  # (argparse: exits 2 at once)
+        b = server.start(["peer"], str(tmp_path / "b.txt"))
+        assert a.wait() == 2 and b.wait() == 2
+        b.kill()  # (ended: nothing to kill)
+        assert "arguments are required" in (tmp_path / "a.txt").read_text()
+    finally:
+        server.close()
+    assert server.proc.returncode == 0
+    assert "hello from sitecustomize" in (tmp_path / "server.txt").read_text()
+
+
 def test_a_server_schedule_keeps_the_peers_average(tmp_path, capsys):
     """FedAvg's two phases through an aggregating hub, one process (in this one): the hub's
     own row is no peer, so its model appearing in the up phase is no drift (it read 0.026)."""
