@@ -440,9 +440,11 @@ def test_a_stopped_peer_process_says_how_to_resume_it(tmp_path):
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 143, stderr
-    hint = stdout.strip().splitlines()[-1].split("continue with: ")[1]
+    stopped = re.search(r"stopped by SIGTERM after round (\d+); .*continue with: (.*)", stdout)
+    assert stopped, stdout + stderr
+    hint = stopped.group(2)
     assert shlex.split(hint) == ["gossip-pfl", *argv, "--out", str(run), "--resume"], hint
-    done = json.loads(metrics.read_text().splitlines()[-1])["round"]
+    done = int(stopped.group(1))  # (its checkpoint's round; metrics rows come every 3)
     resumed = shlex.split(hint)[1:] + ["--set", f"rounds={done + 2}"]
     assert main(resumed) == 0
     summary = json.loads((run / "peers" / "0" / "summary.json").read_text())
