@@ -259,8 +259,9 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
         if server is not None:
             server.close(abort=True)
         raise
-    if server is not None:
-        server.close()
+    else:
+        if server is not None:
+            server.close()
     failed = {k: c for k, c in codes.items() if c not in (0, KILLED_EXIT)}
     if failed:
         k, code = sorted(failed.items())[0]
@@ -304,8 +305,10 @@ def _watch(start, n: int, restarts: dict[int, int]) -> dict[int, int]:
             time.sleep(0.05)
     except GossipError:  # (the process server died: its processes stop, each checkpointed)
         for p in [*running.values(), *standby.values()]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(p.pid, signal.SIGTERM)
+            reported = getattr(getattr(p, "server", None), "codes", {})
+            if p.returncode is None and p.pid not in reported:  # (not an ended, reaped pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGTERM)
         raise
     return codes
 

@@ -15,8 +15,8 @@ the server or a library prints can garble them):
                          {"exited": PID, "code": CODE}  (Popen's returncode: -N for signal N)
 
 The server ends when its stdin does (the launcher has finished): the peers it forked run on,
-as processes started by a launcher run on when it ends. Ctrl-C ends it, and a launcher stopped
-by an error kills it, so that no start still queued forks a peer after the stop.
+as processes started by a launcher run on when it ends. After Ctrl-C it forks no more (a start
+still queued is refused), and a launcher stopped by an error or Ctrl-C kills it.
 """
 
 from __future__ import annotations
@@ -53,14 +53,26 @@ def preload() -> None:
     kernels.warm_up(kernels.COMMON)  # (a run of pFedMe, APFL or FedLi-LS loads its own)
 
 
+#: a SIGINT reached the server (Ctrl-C): it forks no more peers, and a peer forked as it came
+#: stops at once, as one started a moment earlier would have
+_interrupted = False
+
+
+def _on_sigint(signum: int, frame) -> None:
+    global _interrupted
+    _interrupted = True
+
+
 def serve(replies: int) -> None:
     """The server's loop (``python -m gossip_pfl.peer_server FD``: replies on descriptor FD).
-    Ctrl-C ends it as it ends the launcher, so that no start still queued forks a peer after
-    it (a peer forked the moment before has Python's SIGINT handler from the start)."""
+    Ctrl-C while it imports ends it; later it only stops it forking (the peers and the
+    launcher get the same Ctrl-C; a SIGINT to the server alone leaves the run as it is)."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # (an ignored one would hide exit codes)
     preload()
     import gossip_pfl.cli  # noqa: F401  (the peers' command, imported once too)
 
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # (not an ignored one)
+        signal.signal(signal.SIGINT, _on_sigint)
     gc.freeze()  # (the forked peers share these pages and never collect them)
     children: set[int] = set()
     pending = b""
@@ -77,6 +89,9 @@ def serve(replies: int) -> None:
                 if "kill" in request:
                     if request["kill"] in children:  # (not a pid reaped and reused)
                         os.kill(request["kill"], signal.SIGKILL)
+                    continue
+                if _interrupted:
+                    _reply(replies, {"pid": None})
                     continue
                 sys.stdout.flush()  # (a forked peer would write the server's text again)
                 sys.stderr.flush()
@@ -112,10 +127,19 @@ def _peer(argv: list[str], log: str) -> None:
             os.dup2(fd, to)
         os.close(null)
         os.close(out)
-        from gossip_pfl.cli import main
+        try:
+            if signal.getsignal(signal.SIGINT) is _on_sigint:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+            if _interrupted:  # (a SIGINT between the fork and the line above)
+                raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            print("gossip-pfl: interrupted", file=sys.stderr)
+            code = 130
+        else:
+            from gossip_pfl.cli import main
 
-        result = main(argv)
-        code = result if isinstance(result, int) else int(result is not None)
+            result = main(argv)
+            code = result if isinstance(result, int) else int(result is not None)
     except SystemExit as stop:  # (argparse's exit; sys.exit)
         if isinstance(stop.code, str):
             print(stop.code, file=sys.stderr)
@@ -149,6 +173,9 @@ class PeerServer:
                     stdin=subprocess.PIPE, stdout=out, stderr=out, env=env,
                     pass_fds=(write,),
                 )  # fmt: skip
+        except BaseException:
+            os.close(replies)
+            raise
         finally:
             os.close(write)
         self._replies = os.fdopen(replies, "rb", buffering=0)
@@ -162,7 +189,11 @@ class PeerServer:
                 raise GossipError(f"peers-local: its process server started no process in "
                                   f"{START_TIMEOUT_S} s (its log: {self.log})")  # fmt: skip
             self._read(timeout=1.0)
-        return _Served(self, self._pids.pop(0))
+        pid = self._pids.pop(0)
+        if pid is None:
+            raise GossipError("peers-local: its process server was interrupted (SIGINT) and "
+                              "starts no more processes")  # fmt: skip
+        return _Served(self, pid)
 
     def kill(self, pid: int) -> None:
         self._send({"kill": pid})
@@ -202,17 +233,19 @@ class PeerServer:
     def close(self, abort: bool = False) -> None:
         """End the server: at once when ``abort`` (a start still queued forks no peer), else
         once it has read every request."""
-        if not abort:
+        try:
+            if not abort:
+                with contextlib.suppress(OSError):
+                    self.proc.stdin.close()
+                with contextlib.suppress(Exception):
+                    self.proc.wait(timeout=10)
+        finally:  # (Ctrl-C while it waits too)
+            if self.proc.poll() is None:  # (aborted, or a server that does not end)
+                self.proc.kill()
+                self.proc.wait()
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
-            with contextlib.suppress(Exception):
-                self.proc.wait(timeout=10)
-        if self.proc.poll() is None:  # (aborted, or a server that does not end)
-            self.proc.kill()
-            self.proc.wait()
-        with contextlib.suppress(OSError):
-            self.proc.stdin.close()
-        self._replies.close()
+            self._replies.close()
 
 
 class _Served:
@@ -240,5 +273,5 @@ class _Served:
 if __name__ == "__main__":
     try:
         serve(int(sys.argv[1]))
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # (while it imported: it had forked nothing)
         sys.exit(130)

@@ -456,8 +456,12 @@ def test_the_process_server_reports_every_exit(tmp_path, monkeypatch):
     """The process server's replies: two processes that fail at once (exit 2), their exits
     read together with a start's reply and a launcher slow to read (an exit left unparsed
     behind a pid hung the launcher), and a line printed as the server starts (on its stdout,
-    not on the replies' pipe). A kill of a process that has ended is not sent to its pid."""
+    not on the replies' pipe). A kill of a process that has ended is not sent to its pid; a
+    SIGINT to the server alone stops it forking, not serving."""
+    import signal
+
     from gossip_pfl import peer_server
+    from gossip_pfl.errors import GossipError
 
     site = tmp_path / "site"
     site.mkdir()
@@ -478,6 +482,13 @@ def test_the_process_server_reports_every_exit(tmp_path, monkeypatch):
         assert a.wait() == 2 and b.wait() == 2
         b.kill()  # (ended: nothing to kill)
         assert "arguments are required" in (tmp_path / "a.txt").read_text()
+        # a SIGINT to the server alone: it forks no more, and the run it serves goes on
+        os.kill(server.proc.pid, signal.SIGINT)
+        with pytest.raises(GossipError, match="was interrupted .* starts no more processes"):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:  # (until the signal has been handled)
+                assert server.start(["peer"], str(tmp_path / "c.txt")).wait() == 2
+        assert server.proc.poll() is None
     finally:
         server.close()
     assert server.proc.returncode == 0
