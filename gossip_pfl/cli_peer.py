@@ -14,12 +14,10 @@ summary.json. ``merge`` turns them into the usual RUN_DIR/metrics.jsonl and summ
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -278,38 +276,28 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
 def _watch(start, n: int, restarts: dict[int, int]) -> dict[int, int]:
     """Start processes ``0..n-1`` (``start(k, extra_args)``), restart those the kill schedule
     crashes, and wait for all; their exit codes by id."""
-    running, standby, codes = {}, {}, {}
-    try:
-        for k in range(n):
-            running[k] = start(k)
-        # a restart's process starts now, on standby: it loads its data, takes the port once
-        # the crashed process has exited (and been reaped), then waits for the others to
-        # reach the restart round
-        for k, r in restarts.items():
-            rejoin = ["--resume", "--wait-round", str(r), "--after-pid", str(running[k].pid)]
-            standby[k] = start(k, rejoin)
-        while running or standby:  # each process is bounded by its own timeouts
-            for k, p in list(running.items()):
-                if p.poll() is None:
-                    continue
-                del running[k]
-                if p.returncode == KILLED_EXIT and k in standby:
-                    running[k] = standby.pop(k)
-                else:
-                    codes[k] = p.returncode
-            if not running:  # a standby whose process was never killed
-                for p in standby.values():
-                    p.kill()
-                    p.wait()
-                standby = {}
-            time.sleep(0.05)
-    except GossipError:  # (the process server died: its processes stop, each checkpointed)
-        for p in [*running.values(), *standby.values()]:
-            reported = getattr(getattr(p, "server", None), "codes", {})
-            if p.returncode is None and p.pid not in reported:  # (not an ended, reaped pid)
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGTERM)
-        raise
+    running = {k: start(k) for k in range(n)}
+    # a restart's process starts now, on standby: it loads its data, takes the port once the
+    # crashed process has exited (and been reaped), then waits for the others to reach the
+    # restart round
+    standby = {k: start(k, ["--resume", "--wait-round", str(r), "--after-pid",
+                            str(running[k].pid)]) for k, r in restarts.items()}  # fmt: skip
+    codes: dict[int, int] = {}
+    while running or standby:  # each process is bounded by its own timeouts
+        for k, p in list(running.items()):
+            if p.poll() is None:
+                continue
+            del running[k]
+            if p.returncode == KILLED_EXIT and k in standby:
+                running[k] = standby.pop(k)
+            else:
+                codes[k] = p.returncode
+        if not running:  # a standby whose process was never killed
+            for p in standby.values():
+                p.kill()
+                p.wait()
+            standby = {}
+        time.sleep(0.05)
     return codes
 
 

@@ -82,10 +82,8 @@ def serve(replies: int) -> None:
             chunk = os.read(0, 1 << 16)
             if not chunk:
                 return  # the launcher has finished; the peers run on
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                request = json.loads(line)
+            requests, pending = _messages(pending, chunk)
+            for request in requests:
                 if "kill" in request:
                     if request["kill"] in children:  # (not a pid reaped and reused)
                         os.kill(request["kill"], signal.SIGKILL)
@@ -101,11 +99,18 @@ def serve(replies: int) -> None:
                     _peer(request["start"], request["log"])  # never returns
                 children.add(pid)
                 _reply(replies, {"pid": pid})
-        for pid in list(children):
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                children.discard(pid)
-                _reply(replies, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+        while children:  # (its children are the peers: no call a peer)
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if not pid:
+                break
+            children.discard(pid)
+            _reply(replies, {"exited": pid, "code": os.waitstatus_to_exitcode(status)})
+
+
+def _messages(pending: bytes, chunk: bytes) -> tuple[list[dict], bytes]:
+    """The whole JSON lines of ``pending + chunk``, and what is left of a line cut short."""
+    *lines, rest = (pending + chunk).split(b"\n")
+    return [json.loads(line) for line in lines], rest
 
 
 def _reply(fd: int, message: dict) -> None:
@@ -138,9 +143,8 @@ def _peer(argv: list[str], log: str) -> None:
         else:
             from gossip_pfl.cli import main
 
-            result = main(argv)
-            code = result if isinstance(result, int) else int(result is not None)
-    except SystemExit as stop:  # (argparse's exit; sys.exit)
+            raise SystemExit(main(argv))
+    except SystemExit as stop:  # (its result, argparse's exit, sys.exit)
         if isinstance(stop.code, str):
             print(stop.code, file=sys.stderr)
         code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
@@ -180,19 +184,20 @@ class PeerServer:
             os.close(write)
         self._replies = os.fdopen(replies, "rb", buffering=0)
         self.log, self.codes, self._pids, self._pending = log, {}, [], b""
+        self.started: list[int] = []
 
     def start(self, argv: list[str], log: str) -> _Served:
         self._send({"start": argv, "log": log})
         deadline = time.monotonic() + START_TIMEOUT_S
         while not self._pids:  # (the first waits for the server's imports)
             if time.monotonic() > deadline:
-                raise GossipError(f"peers-local: its process server started no process in "
-                                  f"{START_TIMEOUT_S} s (its log: {self.log})")  # fmt: skip
+                raise self._fail(f"started no process in {START_TIMEOUT_S} s (its log: "
+                                 f"{self.log})")  # fmt: skip
             self._read(timeout=1.0)
         pid = self._pids.pop(0)
         if pid is None:
-            raise GossipError("peers-local: its process server was interrupted (SIGINT) and "
-                              "starts no more processes")  # fmt: skip
+            raise self._fail("was interrupted (SIGINT) and starts no more processes")
+        self.started.append(pid)
         return _Served(self, pid)
 
     def kill(self, pid: int) -> None:
@@ -214,10 +219,11 @@ class PeerServer:
             chunk = self._replies.read(1 << 16)
             if not chunk:
                 raise self._died()
-            self._pending += chunk
-        while b"\n" in self._pending:  # (every whole reply, those of an earlier read too)
-            line, self._pending = self._pending.split(b"\n", 1)
-            message = json.loads(line)
+        else:
+            chunk = b""
+        # (every whole reply, those left from an earlier read too)
+        messages, self._pending = _messages(self._pending, chunk)
+        for message in messages:
             if "exited" in message:
                 self.codes[message["exited"]] = message["code"]
             else:
@@ -227,8 +233,16 @@ class PeerServer:
         code = self.proc.wait()
         with open(self.log) as log:
             lines = log.read().strip().splitlines()
-        return GossipError(f"peers-local: its process server exited with code {code}"
-                           + (f": {lines[-1]}" if lines else ""))  # fmt: skip
+        return self._fail(f"exited with code {code}" + (f": {lines[-1]}" if lines else ""))
+
+    def _fail(self, what: str) -> GossipError:
+        """The error of a server that can serve no more; the peers it started and that have
+        not ended stop (SIGTERM: each saves its checkpoint) rather than run on unwatched."""
+        for pid in self.started:
+            if pid not in self.codes:  # (not an ended, reaped pid)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGTERM)
+        return GossipError(f"peers-local: its process server {what}")
 
     def close(self, abort: bool = False) -> None:
         """End the server: at once when ``abort`` (a start still queued forks no peer), else
@@ -262,7 +276,7 @@ class _Served:
 
     def wait(self) -> int:
         while self.poll() is None:
-            select.select([], [], [], 0.05)
+            time.sleep(0.05)
         return self.returncode
 
     def kill(self) -> None:

@@ -21,6 +21,7 @@ from topologies._base import (
     MixingSchedule,
     Phase,
     TopologyError,
+    _connected,
     _is_int,
     _merge,
     _sum_duplicates,
@@ -802,10 +803,8 @@ def _round_rho(schedule: MixingSchedule, t: int) -> float:
     n = schedule.n
     r, c, w = _effective_coo(schedule, t)
     if n > 1 and w.min(initial=0.0) >= 0 and _doubly_stochastic(n, r, c, w, _TOL):
-        parent = np.arange(n)
         link = (r != c) & (w != 0)
-        _merge(parent, r[link], c[link])
-        if not np.all(parent == parent[0]):
+        if not _connected(n, r[link], c[link]):
             return 1.0
     return rho(_window_product(schedule, t, 1))
 
