@@ -256,6 +256,30 @@ def test_every_rank_plan_reproduces_the_dense_product(world, sparse, rowwise, mo
                 assert len(posted[src, r]) == k
 
 
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_rank_whose_rows_take_only_other_ranks_values_mixes_them(dense, monkeypatch):
+    """A phase in which every row of a rank reads only the other rank's nodes (its block over
+    its own rows is empty: zeros of the state's dtype), duplicates summed in order: each
+    rank's rows of W @ X, to the bit of the dense product of the summed entries."""
+    monkeypatch.setattr(exchange, "DENSE_BLOCK_ENTRIES", 10**6 if dense else 0)
+    n, d = 6, 3
+    rows = np.r_[np.arange(n), np.arange(n)]
+    cols = (rows + n // 2) % n  # node i reads node i + 3, twice: rank 0 reads rank 1 and back
+    w = np.r_[np.full(n, 0.1), np.full(n, 0.9)]
+    phase = Phase(n, rows, cols, w)
+    x = torch.as_tensor(np.random.default_rng(0).standard_normal((n, d)))
+    placements = [Placement(n, 2, r) for r in range(2)]
+    plans = [exchange.plan_phase(phase, p, torch.device("cpu")) for p in placements]
+    states = [x[p.nodes(n)] for p in placements]
+    posted = {(r, dst): states[r][i] for r in range(2) for dst, i in plans[r].sends.items()}
+    expected = torch.as_tensor(phase.dense()) @ x
+    for r, p in enumerate(placements):
+        assert not plans[r].own.to_dense().any()
+        assert plans[r].own.dtype == torch.float64
+        ex = exchange.Exchanger(p, _PostedComm(r, posted))
+        assert torch.equal(ex.mix(states[r], plans[r]), expected[p.nodes(n)])
+
+
 def test_rows_added_one_by_one_do_not_depend_on_how_they_are_cut(monkeypatch):
     """add_rows over rows cut into uneven parts (as zmq frames cut them, across rows) gives
     the bits of adding whole rows one at a time, and the product up to rounding; a sender

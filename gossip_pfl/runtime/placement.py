@@ -51,6 +51,8 @@ class Placement:
     def owner(self, nodes) -> np.ndarray:
         """The rank holding each node (auxiliary nodes belong to rank 0)."""
         nodes = np.asarray(nodes, dtype=np.int64)
+        if self.world_size == 1:  # (a time-varying W_t's entries are placed every round)
+            return np.zeros(nodes.shape, dtype=np.int64)
         ranks = np.searchsorted(self.starts, nodes, side="right") - 1
         return np.where(nodes >= self.n_peers, 0, ranks)
 
