@@ -32,7 +32,7 @@ from gossip_pfl.cli import nonempty
 from gossip_pfl.config import load_config, read_yaml
 from gossip_pfl.errors import KILLED_EXIT, GossipError
 from gossip_pfl.metrics import score_entries
-from gossip_pfl.rundir import read_rows
+from gossip_pfl.rundir import CHECKPOINT_FILE, read_rows, write, write_rows
 
 if TYPE_CHECKING:
     from gossip_pfl.config import RunConfig
@@ -314,23 +314,26 @@ def merge(run_dir: str | Path) -> dict:
                      key=lambda p: int(p.name))  # fmt: skip
     if not folders:
         raise GossipError(f"merge: no process outputs in {run_dir / 'peers'}")
-    per_process = {int(f.name): read_rows(f / "metrics.jsonl") for f in folders}
-    cfg = read_yaml(folders[0] / "config.yaml")
+    per_process = {
+        int(f.name): [_metrics_row(f / "metrics.jsonl", r) for r in read_rows(f / "metrics.jsonl")]
+        for f in folders
+    }
+    algorithm, rounds_total = _run_config(folders[0] / "config.yaml")
     rounds = sorted({r["round"] for rows in per_process.values() for r in rows})
     merged = []
     for rnd in rounds:
-        rows = [r for rows in per_process.values() for r in rows if r["round"] == rnd]
+        rows = {k: r for k, rows in per_process.items() for r in rows if r["round"] == rnd}
         merged.append(_merge_round(rnd, rows))
     if not merged:
         raise GossipError(f"merge: no metrics rows in {run_dir / 'peers'}/*/metrics.jsonl")
     links = _merge_links(folders)
     final = _final_consensus(folders, merged[-1])
-    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in merged))
+    write(run_dir / "metrics.jsonl", lambda p: write_rows(p, merged))
     last = merged[-1]
     summary = {
-        "algorithm": cfg["algorithm"]["name"],
+        "algorithm": algorithm,
         "transport": "zmq",
-        "rounds": cfg["rounds"],
+        "rounds": rounds_total,
         "processes": len(folders),
         **{
             k: last[k]
@@ -354,8 +357,55 @@ def merge(run_dir: str | Path) -> dict:
         **{k: v for k, v in last.items() if k.startswith("mixture_")},
         "links": links,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    write(run_dir / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
     return summary
+
+
+#: a process's metrics row: its peers' values, one list entry per peer
+_PER_PEER = ("peer_train_accuracy", "peer_train_loss", "peer_train_count",
+             "peer_test_accuracy", "peer_test_loss", "peer_test_count")  # fmt: skip
+
+
+def _is_count(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def _numbers(x, length: int | None = None) -> bool:
+    """A list of numbers (of ``length``)."""
+    return (isinstance(x, list) and (length is None or len(x) == length)
+            and all(isinstance(v, int | float) and not isinstance(v, bool) for v in x))  # fmt: skip
+
+
+def _metrics_row(path: Path, row: dict) -> dict:
+    """A process's metrics row with what merge reads checked; a damaged one is named by file,
+    round and key (a KeyError or IndexError deep in the merge said neither)."""
+    if not _is_count(row.get("round")):
+        raise GossipError(f"{path}: a row's round is {row.get('round')!r}, not a round number")
+    where = f"{path}, round {row['round']}"
+    peers = row.get("peers")
+    if not (isinstance(peers, list) and peers and all(_is_count(p) for p in peers)
+            and len(set(peers)) == len(peers)):  # fmt: skip
+        raise GossipError(f"{where}: peers is {peers!r}, not a list of distinct peer ids")
+    for key in _PER_PEER:
+        if not _numbers(row.get(key), len(peers)):
+            raise GossipError(f"{where}: {key} is not {len(peers)} numbers (one per peer)")
+    for key in ("bytes_sent", "messages_sent"):
+        if not _is_count(row.get(key)):
+            raise GossipError(f"{where}: {key} is {row.get(key)!r}, not a count")
+    pi = row.get("peer_pi")
+    if pi is not None and not (isinstance(pi, list) and len(pi) == len(peers) and pi
+                               and all(_numbers(w, len(pi[0])) for w in pi)):  # fmt: skip
+        raise GossipError(f"{where}: peer_pi is not {len(peers)} lists of mixture weights")
+    return row
+
+
+def _run_config(path: Path) -> tuple[str, int]:
+    """The run's algorithm and rounds, from a process's config.yaml."""
+    cfg = read_yaml(path)
+    name = cfg.get("algorithm", {}).get("name") if isinstance(cfg.get("algorithm"), dict) else None
+    if not isinstance(name, str) or not _is_count(cfg.get("rounds")):
+        raise GossipError(f"{path}: not a run's config (no algorithm.name or rounds)")
+    return name, cfg["rounds"]
 
 
 def _wall_seconds(path: Path) -> float:
@@ -369,12 +419,21 @@ def _wall_seconds(path: Path) -> float:
     return float(value)
 
 
-def _merge_round(rnd: int, rows: list[dict]) -> dict:
+def _merge_round(rnd: int, by_process: dict[int, dict]) -> dict:
+    """One merged row from each process's row of round ``rnd`` (checked by _metrics_row)."""
+    owner: dict[int, int] = {}
+    for k, r in by_process.items():
+        for p in r["peers"]:
+            if p in owner:  # two processes' outputs in one folder, or a copied one
+                raise GossipError(f"merge: round {rnd}: peer {p} is reported by process "
+                                  f"{owner[p]} and by process {k}")  # fmt: skip
+            owner[p] = k
+    rows = list(by_process.values())
     peers = np.concatenate([r["peers"] for r in rows])
     order = np.argsort(peers)
 
     def cat(key):
-        return np.concatenate([r[key] for r in rows])[order]
+        return np.concatenate([np.asarray(r[key], dtype=np.float64) for r in rows])[order]
 
     tr_acc, tr_loss, tr_n = (
         cat("peer_train_accuracy"),
@@ -382,7 +441,7 @@ def _merge_round(rnd: int, rows: list[dict]) -> dict:
         cat("peer_train_count"),
     )
     te_acc, te_loss, te_n = cat("peer_test_accuracy"), cat("peer_test_loss"), cat("peer_test_count")
-    n_total = max(max(r["peers"]) for r in rows) + 1
+    n_total = int(peers.max()) + 1
     client = [None] * n_total
     for p, a in zip(peers[order], te_acc):
         client[int(p)] = round(float(a), 5)
@@ -406,8 +465,20 @@ def _merge_links(folders: list[Path]) -> dict:
     step, the change of the sum of every process's rows (on the sampled coordinates), over
     the number of peers, relative to the size of the average."""
     steps: dict[tuple, dict[int, dict]] = {}
+    width = None  # the sampled coordinates: the same for every process and step
     for f in folders:
         for e in read_rows(f / "links.jsonl"):
+            where = f"{f / 'links.jsonl'}, round {e.get('round')!r}"
+            if not (_is_count(e.get("round")) and _is_count(e.get("phase"))):
+                raise GossipError(f"{where}: a row without a round and phase number")
+            for key in ("links", "lost"):
+                if not (isinstance(e.get(key), list) and all(_is_count(j) for j in e[key])):
+                    raise GossipError(f"{where}: {key} is {e.get(key)!r}, not a list of ids")
+            if width is None and isinstance(e.get("before"), list):
+                width = len(e["before"])
+            for key in ("before", "change"):
+                if not _numbers(e.get(key), width):
+                    raise GossipError(f"{where}: {key} is not {width} numbers (the sample)")
             steps.setdefault((e["round"], e["phase"]), {})[int(f.name)] = e
     lost_ends = disagree = ends = 0
     worst, total_change, size = 0.0, None, 1e-30
@@ -453,10 +524,33 @@ def _final_consensus(folders: list[Path], last: dict) -> dict:
                           stacklevel=2)  # fmt: skip
             return {}
         states.append(state)
+    _check_disjoint(folders, states)
     shared = sum(s["shared"].double() for s in states)  # rows of other processes are zeros
     mean = shared.mean(0)
     dist = ((shared - mean) ** 2).sum(dim=(0, 2)) / shared.shape[0]
     return {"consensus_distance": dist.tolist()}
+
+
+def _check_disjoint(folders: list[Path], states: list[dict]) -> None:
+    """Each peer's rows in exactly one process's checkpoint (its last metrics row names its
+    peers): a checkpoint copied into another process's folder summed a peer twice and left
+    another out, a consensus distance 50x too large and no word said."""
+    owner: dict[int, str] = {}
+    n = states[0]["shared"].shape[0]
+    for f, state in zip(folders, states):
+        rows = state.get("rows") or [{}]
+        peers = rows[-1].get("peers") if isinstance(rows[-1], dict) else None
+        if state["shared"].shape != states[0]["shared"].shape or not isinstance(peers, list):
+            raise GossipError(f"merge: {f / CHECKPOINT_FILE} is not one of this run's checkpoints")
+        for p in peers:
+            if p in owner:
+                raise GossipError(f"merge: peer {p} is in the checkpoints of process {owner[p]} "
+                                  f"and of process {f.name}: was one copied?")  # fmt: skip
+            owner[p] = f.name
+    if sorted(owner) != list(range(n)):
+        missing = sorted(set(range(n)) - set(owner)) or ["?"]
+        raise GossipError(f"merge: no checkpoint holds peer {missing[0]} ({len(owner)} peers "
+                          f"in {len(folders)} checkpoints, of {n})")  # fmt: skip
 
 
 def _print_summary(summary: dict, run_dir: Path) -> None:

@@ -148,6 +148,8 @@ def read_rows(path: Path) -> list[dict]:
     """The JSON objects of a ``.jsonl`` file, one per line ([] when there is no file). A last
     line cut short (no newline: a row being written, or a process killed while writing it)
     is left out; any other line that is not a JSON object is a one-line error naming it."""
+    if path.exists() and not path.is_file():  # a folder read as no rows hid a process
+        raise GossipError(f"cannot read {path}: not a file")
     try:
         text = path.read_text() if path.is_file() else ""
     except (OSError, UnicodeDecodeError) as err:

@@ -277,6 +277,85 @@ def test_merge_names_a_damaged_process_summary(tmp_path, text):
     assert cli_peer._wall_seconds(path) == 1.5
 
 
+def _peer_run(tmp_path: Path) -> Path:
+    """A peer-to-peer run's outputs as merge reads them: two processes of two peers each."""
+    run = tmp_path / "run"
+    for k, peers in enumerate(([0, 1], [2, 3])):
+        folder = run / "peers" / str(k)
+        folder.mkdir(parents=True)
+        (folder / "config.yaml").write_text("algorithm: {name: dfedem}\nrounds: 4\n")
+        row = {"round": 4, "peers": peers, "bytes_sent": 10, "messages_sent": 2,
+               "peer_train_accuracy": [0.5, 1.0], "peer_train_loss": [1.0, 2.0],
+               "peer_train_count": [10, 30], "peer_test_accuracy": [0.25 * k, 0.5],
+               "peer_test_loss": [1.0, 1.0], "peer_test_count": [5, 5]}  # fmt: skip
+        (folder / "metrics.jsonl").write_text(json.dumps(row) + "\n")
+        link = {"round": 0, "phase": 0, "links": [1 - k], "lost": [], "before": [1.0, 2.0],
+                "change": [0.0, 0.0]}  # fmt: skip
+        (folder / "links.jsonl").write_text(json.dumps(link) + "\n")
+    return run
+
+
+def _edit(path: Path, **changes) -> None:
+    row = json.loads(path.read_text())
+    row.update(changes)
+    path.write_text(json.dumps(row) + "\n")
+
+
+@pytest.mark.parametrize(
+    "file, changes, says",
+    [
+        (
+            "1/metrics.jsonl",
+            {"peers": [0, 1]},
+            r"round 4: peer 0 is reported by process 0 and by "
+            r"process 1$",
+        ),
+        ("1/metrics.jsonl", {"peers": [-1, 3]}, r"1/metrics.jsonl, round 4: peers is \[-1, 3\]"),
+        ("1/metrics.jsonl", {"peers": [2, 2]}, r"peers is \[2, 2\], not a list of distinct"),
+        ("1/metrics.jsonl", {"round": "4"}, r"1/metrics.jsonl: a row's round is '4', not a round"),
+        (
+            "0/metrics.jsonl",
+            {"peer_test_accuracy": [0.5]},
+            r"0/metrics.jsonl, round 4: peer_test_accuracy is not 2 numbers \(one per peer\)$",
+        ),
+        ("0/metrics.jsonl", {"peer_train_count": None}, r"peer_train_count is not 2 numbers"),
+        ("0/metrics.jsonl", {"bytes_sent": "x"}, r"round 4: bytes_sent is 'x', not a count$"),
+        ("0/metrics.jsonl", {"peer_pi": [[0.5, 0.5]]}, r"peer_pi is not 2 lists of mixture"),
+        ("1/links.jsonl", {"change": [0.0]}, r"1/links.jsonl, round 0: change is not 2 numbers"),
+        ("1/links.jsonl", {"lost": None}, r"round 0: lost is None, not a list of ids$"),
+        ("1/links.jsonl", {"phase": None}, r"round 0: a row without a round and phase number$"),
+    ],
+)
+@pytest.mark.filterwarnings("ignore:merge. no consensus distance")  # (no checkpoints here)
+def test_merge_names_a_damaged_process_row(tmp_path, file, changes, says):
+    """A process's metrics or links row that merge cannot use is named by file, round and key
+    (it was a KeyError or an IndexError; a peer reported by two processes was counted twice,
+    a negative one overwrote another's entry)."""
+    run = _peer_run(tmp_path)
+    summary = cli_peer.merge(run)  # the undamaged run: the mean over its four peers
+    assert summary["peers_reporting"] == 4 and summary["test_accuracy"] == pytest.approx(0.3125)
+    assert summary["train_accuracy"] == pytest.approx((5 + 30 + 5 + 30) / 80)
+    _edit(run / "peers" / file, **changes)
+    with pytest.raises(GossipError, match=says):
+        cli_peer.merge(run)
+
+
+@pytest.mark.filterwarnings("ignore:merge. no consensus distance")
+def test_merge_refuses_a_folder_for_a_metrics_file(tmp_path):
+    """A folder where a process's metrics.jsonl should be read as no rows: the merge left that
+    process's peers out and said nothing."""
+    run = _peer_run(tmp_path)
+    (run / "peers/1/metrics.jsonl").unlink()
+    (run / "peers/1/metrics.jsonl").mkdir()
+    with pytest.raises(GossipError, match=r"cannot read .*1/metrics.jsonl: not a file$"):
+        cli_peer.merge(run)
+    (run / "config.yaml").mkdir(exist_ok=True)
+    (run / "peers/1/metrics.jsonl").rmdir()
+    (run / "metrics.jsonl").mkdir()  # where the merged rows go
+    with pytest.raises(GossipError, match=r"out: could not write .*run/metrics.jsonl"):
+        cli_peer.merge(run)
+
+
 @pytest.mark.parametrize(
     "flags, says",
     [

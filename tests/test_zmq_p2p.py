@@ -8,6 +8,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -20,8 +21,10 @@ import pytest
 import torch
 import yaml
 
+from gossip_pfl import cli_peer
 from gossip_pfl.cli import main
 from gossip_pfl.cli_peer import free_ports
+from gossip_pfl.errors import GossipError
 
 zmq = pytest.importorskip("zmq")
 zc = pytest.importorskip("gossip_pfl.runtime.zmq_comm")
@@ -92,6 +95,12 @@ def test_peer_processes_equal_one_process(tmp_path):
     assert main(["merge", str(tmp_path / "run")]) == 0
     again = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [strict(x) for x in again] == merged
+    # a checkpoint copied over another process's: peer 0 twice, peers 3 to 5 nowhere (merge
+    # gave a consensus distance 50x too large)
+    shutil.copy(tmp_path / "run/peers/0/checkpoint.pt", tmp_path / "run/peers/1/checkpoint.pt")
+    with pytest.raises(GossipError, match="peer 0 is in the checkpoints of process 0 and of "
+                                          "process 1: was one copied"):  # fmt: skip
+        cli_peer.merge(tmp_path / "run")
 
 
 def _threads(n: int, fn, *args) -> dict:
@@ -461,7 +470,6 @@ def test_the_process_server_reports_every_exit(tmp_path, monkeypatch):
     import signal
 
     from gossip_pfl import peer_server
-    from gossip_pfl.errors import GossipError
 
     site = tmp_path / "site"
     site.mkdir()
