@@ -192,7 +192,7 @@ def _load_for_analysis(path: str) -> MixingSchedule:
             spec = yaml.safe_load(Path(path).read_text())
             n, family = spec.get("n"), spec.get("graph")
             p = (spec.get("graph_args") or {}).get("p", 1) if family == "erdos_renyi" else 1
-        except (OSError, yaml.YAMLError, AttributeError):
+        except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
             n = None  # (load reports what is wrong with the file)
         if isinstance(n, int) and not isinstance(n, bool):
             # (a p that load refuses, NaN or 40, is left to say so: no estimate from it)
@@ -272,13 +272,18 @@ def _not_connected(name: str, horizon: int, schedule: MixingSchedule) -> str:
 
 
 def _named(paths: list[str]) -> list[tuple[str, str]]:
-    """``(name, path)`` with names = file stems, made unique by a ``-2``, ``-3``... suffix."""
-    seen: dict[str, int] = {}
+    """``(name, path)`` with names = file stems, made unique by a ``-2``, ``-3``... suffix
+    (unique among all the names: ``a.yaml a-2.yaml x/a.yaml`` gave two ``a-2``)."""
+    taken: set[str] = set()
     out = []
     for p in paths:
-        stem = Path(p).stem
-        seen[stem] = seen.get(stem, 0) + 1
-        out.append((stem if seen[stem] == 1 else f"{stem}-{seen[stem]}", p))
+        stem = name = Path(p).stem
+        k = 1
+        while name in taken:
+            k += 1
+            name = f"{stem}-{k}"
+        taken.add(name)
+        out.append((name, p))
     return out
 
 

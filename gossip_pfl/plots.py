@@ -59,8 +59,16 @@ class Run:
         return str(algo) if algo else ""
 
     def series(self, key: str) -> np.ndarray:
-        """``rows[i][key]`` as floats; NaN where a row lacks the key or holds null."""
-        return np.array([_float(r.get(key)) for r in self.rows], dtype=float)
+        """``rows[i][key]`` as floats; NaN where a row lacks the key or holds null. Any other
+        value that is not a number is named (a string was plotted as a gap, unsaid)."""
+        values = []
+        for r in self.rows:
+            v = r.get(key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+                raise GossipError(f"{self.path / 'metrics.jsonl'}, round {r['round']}: {key} "
+                                  f"is {v!r}, not a number")  # fmt: skip
+            values.append(math.nan if v is None else float(v))
+        return np.array(values, dtype=float)
 
     @property
     def rounds(self) -> np.ndarray:
@@ -74,15 +82,6 @@ class Run:
         if acc is None:
             return None
         return np.asarray(acc, dtype=float).ravel()
-
-
-def _float(value: Any) -> float:
-    if value is None or isinstance(value, bool):
-        return math.nan
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        return math.nan
 
 
 # --------------------------------------------------------------------------- loading
@@ -481,6 +480,8 @@ def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
         path = out / f"{name}.png"
         try:
             fig = fn(runs)
+        except GossipError:  # (a ValueError) already names its file, round and key
+            raise
         except (TypeError, ValueError) as err:  # e.g. "consensus_distance": "x"
             raise GossipError(_bad_value(name, runs, err)) from None
         try:

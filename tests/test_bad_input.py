@@ -368,3 +368,76 @@ def test_a_restarts_options_need_a_restart(flags, says, capsys):
     """A fresh `peer` ignored --wait-round and --after-pid."""
     argv = ["peer", str(ROOT / "configs/synthetic/dfedem.yaml"), "--id", "0", *flags]
     _one_line_error(capsys, argv, re.escape(says) + "$")
+
+
+EXPORT = ["topology", "export", "--rounds", "2", "-o", "w.npz"]
+
+
+@pytest.mark.parametrize("command", [["topology", "describe"], ["consensus"], EXPORT])
+def test_a_spec_that_is_not_text_is_one_line(tmp_path, capsys, command):
+    """A spec file with bytes that are not UTF-8 was a UnicodeDecodeError's traceback."""
+    spec = tmp_path / "s.yaml"
+    spec.write_bytes(b"n: 5\ngraph: ring\n\xff\xfe\n")
+    argv = [*command[:2], str(spec), *command[2:]] if command[0] == "topology" else [
+        *command, str(spec), "--out", str(tmp_path / "o")]  # fmt: skip
+    _one_line_error(capsys, argv, re.escape(f"{spec}: not a text file (byte 17 is not UTF-8)"))
+
+
+def test_describe_refuses_more_trials_than_window_positions(capsys):
+    """A random schedule's p samples distinct window positions among 2^20: more trials was
+    numpy's 'Cannot take a larger sample than population' after the scan."""
+    spec = str(ROOT / "configs/topologies/ring16_link_failure.yaml")
+    _one_line_error(capsys, ["topology", "describe", spec, "--trials", "1048577"],
+                    r"trials must be at most 1,048,576 for a random schedule")  # fmt: skip
+
+
+def test_consensus_names_each_schedule_once(tmp_path):
+    """Names from file stems with -2, -3 for repeats, unique among all of them: a file named
+    a-2 beside two named a gave two columns called a-2."""
+    from gossip_pfl.cli_topology import _named
+
+    names = [name for name, _ in _named(["x/a.yaml", "a-2.yaml", "y/a.yaml", "z/a.yaml"])]
+    assert names == ["a", "a-2", "a-3", "a-4"]
+
+
+def test_matching_refuses_weights_it_would_ignore():
+    """A matching averages each matched pair with weight 1/2: weights: fmmc was accepted and
+    never used."""
+    from topologies import TopologyError
+    from topologies.spec import schedule_from_spec
+
+    spec = {"n": 8, "graph": "ring", "time_varying": {"kind": "matching"}}
+    assert schedule_from_spec(spec).matrix(0).max() <= 1  # without weights it runs
+    with pytest.raises(TopologyError, match="weights: time_varying matching fixes its own"):
+        schedule_from_spec({**spec, "weights": "max_degree"})
+
+
+def test_edge_list_ids_are_digits_only(tmp_path):
+    """int() reads '1_0' as 10, so '1_0' and '10' were one node: such a token is a name."""
+    from topologies import TopologyError
+    from topologies.graphs import load_graph, node_labels
+
+    f = tmp_path / "g.txt"
+    f.write_text("1_0 1\n10 2\n1 2\n")
+    assert sorted(node_labels(load_graph(f))) == ["1", "10", "1_0", "2"]
+    f.write_text("0 1\n+1 2\n")  # a sign is still an id's
+    assert load_graph(f).number_of_nodes() == 3
+    folder = tmp_path / "d.txt"
+    folder.mkdir()
+    with pytest.raises(TopologyError, match=r"graph file .*d.txt is a folder, not a file"):
+        load_graph(folder)
+
+
+def test_plot_names_a_metric_that_is_not_a_number(tmp_path, capsys):
+    """A string where a number should be was plotted as a gap, and nothing said."""
+    run = tmp_path / "run"
+    run.mkdir()
+    rows = [{"round": r, "test_accuracy": 0.5, "test_accuracy_p10": 0.4, "train_loss": 1.0,
+             "model_bytes": 8 * r} for r in (1, 2)]  # fmt: skip
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["plot", str(run), "--out", str(tmp_path / "plots")]) == 0
+    rows[1]["test_accuracy"] = "high"
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    _one_line_error(capsys, ["plot", str(run), "--out", str(tmp_path / "plots")],
+                    r"metrics.jsonl, round 2: test_accuracy is 'high', not a number$")  # fmt: skip

@@ -422,6 +422,16 @@ def window_contraction(schedule: MixingSchedule, tau: int, windows: int = 1) -> 
     return max(rho(_window_product(schedule, l * tau, tau)) for l in range(windows))
 
 
+#: the window positions a random schedule's ``p`` is sampled from (distinct ones)
+_POSITIONS = 2**20
+
+
+def _check_trials(schedule: MixingSchedule, trials: int) -> None:
+    if schedule.is_random and trials > _POSITIONS:  # (numpy: "a larger sample than population")
+        raise TopologyError(f"trials must be at most {_POSITIONS:,} for a random schedule (its "
+                            f"windows' distinct positions), got {trials:,}")  # fmt: skip
+
+
 def estimate_p(schedule: MixingSchedule, tau: int, trials: int = 20, seed: int = 0) -> float:
     """Mixing parameter ``p`` of ``E||W_{l,tau} X - Xbar||_F^2 <= (1 - p) ||X - Xbar||_F^2``.
 
@@ -463,8 +473,9 @@ def estimate_p(schedule: MixingSchedule, tau: int, trials: int = 20, seed: int =
         c = window_contraction(schedule, tau, _distinct_windows(schedule, tau, trials))
         return 1.0 - c**2
     n = schedule.n
+    _check_trials(schedule, trials)
     rng = np.random.default_rng(seed)
-    starts = rng.choice(2**20, size=trials, replace=False)
+    starts = rng.choice(_POSITIONS, size=trials, replace=False)
     M = np.zeros((n, n))
     for l in starts:
         D = _window_product(schedule, int(l) * tau, tau) - 1.0 / n
@@ -744,6 +755,7 @@ def describe(schedule: MixingSchedule, horizon: int = 100, trials: int = 20, see
     _check_horizon(horizon)
     _check_counts(trials=trials)
     _check_counts(0, seed=seed)
+    _check_trials(schedule, trials)  # before the scan, not after it
     scan, tau = _scan_and_tau(schedule, horizon)
     props, max_degree = scan.result()
     rate = schedule_rho(schedule, horizon, trials)

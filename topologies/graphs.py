@@ -536,6 +536,8 @@ def load_graph(path: str | Path) -> nx.Graph:
     ['Myriel', 'Napoleon', 'Baptistine']
     """
     p = Path(path)
+    if p.is_dir():
+        raise TopologyError(f"graph file {p} is a folder, not a file")
     if not p.is_file():
         raise TopologyError(f"graph file not found: {p}")
     suffix = p.suffix.lower()
@@ -572,10 +574,9 @@ def _prefixed(p: Path, fn, *args, **kwargs):
 
 
 def _as_id(token: str) -> int | None:
-    try:
-        return int(token)
-    except ValueError:
-        return None
+    # digits only: int() also takes "1_0" (10), "１" and " 1", which merged distinct nodes
+    body = token[1:] if token[:1] in "+-" else token
+    return int(token) if body.isascii() and body.isdigit() else None
 
 
 def _from_edge_lines(lines: list[str], p: Path) -> nx.Graph:

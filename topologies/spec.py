@@ -210,6 +210,9 @@ def schedule_from_spec(spec: dict, base_dir: str | Path | None = None) -> Mixing
         _check_keys(tv, TIME_VARYING_KINDS[tv["kind"]], f"in time_varying ({tv['kind']})")
         if tv["kind"] == "periodic":
             return _periodic(spec, tv, n, weights, seed, base_dir)
+        if tv["kind"] == "matching" and weights is not None:  # (it was ignored, unsaid)
+            raise TopologyError(f"weights: time_varying matching fixes its own weights (1/2 on "
+                                f"each matched pair); drop weights: {weights}")  # fmt: skip
     if "graph" not in spec:
         raise TopologyError(f"graph: missing (a family: {', '.join(KNOWN_FAMILIES)}; or a file)")
     if loaded is not None:
@@ -435,6 +438,10 @@ def read_mapping(path: str | Path, what: str = "file") -> dict:
         raise TopologyError(f"{what} not found: {p}")
     try:
         data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
+    except UnicodeDecodeError as e:
+        raise TopologyError(f"{p}: not a text file (byte {e.start} is not UTF-8)") from None
+    except OSError as e:
+        raise TopologyError(f"cannot read {p}: {e.strerror or e}") from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
