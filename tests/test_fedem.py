@@ -101,6 +101,30 @@ def test_dfedem_on_complete_graph_equals_fedem(tmp_path):
     np.testing.assert_allclose(runs["dfedem"], runs["fedem"], rtol=1e-5, atol=1e-6)
 
 
+def test_step_client_weighting_on_complete_graph_equals_fedem(tmp_path):
+    """D-FedEM's default weighting multiplies client t's step by T n_t / n (Alg. 4). With one
+    full-batch step a round and W = J / T, the mix of the steps is then the server's n_t / n
+    average of them, by linearity: FedEM's numbers on clients of unequal sizes. The plain
+    step (client_weighting: none) differs."""
+    data = toy_dataset(8)  # sizes 20, 33, ..., 111
+    sizes = [len(c.y_train) for c in data.clients]
+    assert len(set(sizes)) == 8
+    complete = {"graph": "complete", "weights": "max_degree"}
+    runs = {}
+    for algo, schedule, weighting in (("fedem", None, "step"), ("dfedem", complete, "step"),
+                                      ("dfedem", complete, "none")):  # fmt: skip
+        cfg = cfg_for(tmp_path / f"{algo}_{weighting}", algo, schedule=schedule, rounds=3,
+                      batch_size=max(sizes), local_steps=1, client_weighting=weighting)  # fmt: skip
+        trainer = Trainer(cfg, data, log=quiet)
+        step = np.array(sizes) * 8 / sum(sizes) if (algo, weighting) == ("dfedem", "step") else 1
+        np.testing.assert_allclose(trainer.lr_scale.cpu().numpy(), step, rtol=1e-6)
+        trainer.run()
+        runs[algo, weighting] = trainer.shared_parameters()
+    fedem = runs["fedem", "step"]
+    np.testing.assert_allclose(runs["dfedem", "step"], fedem, rtol=1e-5, atol=1e-6)
+    assert np.abs(runs["dfedem", "none"] - fedem).max() > 1e-3
+
+
 def test_gossip_client_weighting_on_complete_graph_equals_fedem(tmp_path):
     """client_weighting: gossip mixes sum_j W_ij n_j theta_j / sum_j W_ij n_j; with W = J / T
     that is the server's n_t / n average, so D-FedEM equals FedEM on clients of unequal sizes.

@@ -116,6 +116,24 @@ def test_link_failure_invariants_and_neighbors():
     np.testing.assert_array_equal(full.matrix(3), np.eye(6))
 
 
+def test_link_failure_rate_and_mean_matrix_are_q_s():
+    """Each link fails with probability q, independently: over 300 rounds the share of failed
+    links is q within 4 binomial standard deviations, and the mean W_t is the closed form
+    E[W_t] = (1 - q) W off the diagonal, W_ii + q sum_{j != i} W_ij on it."""
+    q, rounds = 0.3, 300
+    sched = s.LinkFailureSchedule(g.erdos_renyi(20, 0.3, seed=1), "metropolis", q=q, seed=5)
+    W = s.LinkFailureSchedule(g.erdos_renyi(20, 0.3, seed=1), "metropolis", q=0.0).matrix(0)
+    links = np.triu(W, 1) > 0
+    mats = np.stack([sched.matrix(t) for t in range(rounds)])
+    failed = (mats[:, links] == 0).mean()
+    assert abs(failed - q) < 4 * np.sqrt(q * (1 - q) / (rounds * links.sum()))
+    off = W - np.diag(np.diag(W))
+    expected = (1 - q) * off + np.diag(np.diag(W) + q * off.sum(1))
+    se = np.sqrt(q * (1 - q) / rounds)  # a coin's mean's standard error
+    bound = 5 * se * (off + np.diag(np.sqrt((off**2).sum(1))))  # each entry's, 5 times
+    assert np.all(np.abs(mats.mean(0) - expected) <= bound + 1e-12)
+
+
 def test_link_failure_rejects_directed():
     with pytest.raises(TopologyError, match="undirected"):
         s.LinkFailureSchedule(g.exponential(8), "uniform", q=0.1)
