@@ -110,6 +110,33 @@ def test_memory_invariant_under_partial_participation(quant):
     assert seen_partial
 
 
+def test_partial_participation_scales_the_received_sum_by_one_over_p():
+    """One round at p = 0.5, full batches, no compression, against Alg. 4 written out:
+    H = V + (1 / (n p)) sum_{i active} (S_i - S - V_i), S' = S + gamma H, V' = V + (alpha / n)
+    sum_{i active} (S_i - S - V_i); the naive baseline's H = (1 / (n p)) sum (S_i - S). The
+    active set is the round's first draw: n uniforms below p."""
+    x = _data(n=6, m=30)
+    n, p, gamma, alpha = 6, 0.5, 0.05, 0.5
+    model = GaussianMixtureShared.from_data(x, 2)
+    S = client_means(model, _theta0(), x).mean(0)
+    state = fedem_init(S, initial_memories(model, S, x) + 0.01)  # memories away from S_i - S
+    seed = 3
+    active = torch.rand(n, generator=torch.Generator().manual_seed(seed), dtype=DTYPE) < p
+    assert 0 < int(active.sum()) < n
+    S_i = client_means(model, model.T(S), x)  # every client's full-batch statistics
+    delta = (S_i - S - state.V_i)[active].sum(0)
+    new, info = fedem_round(model, x, state, quant=Identity(), gamma=gamma, alpha=alpha, p=p,
+                            generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    assert info["projected"] == 0 and info["active"] == int(active.sum())
+    H = state.V + delta / (n * p)
+    torch.testing.assert_close(new.S, S + gamma * H, rtol=0, atol=1e-12)
+    torch.testing.assert_close(new.V, state.V + alpha * delta / n, rtol=0, atol=1e-12)
+    naive, _ = naive_round(model, x, S, quant=Identity(), gamma=gamma, p=p,
+                           generator=torch.Generator().manual_seed(seed))  # fmt: skip
+    H_naive = (S_i - S)[active].sum(0) / (n * p)
+    torch.testing.assert_close(naive, S + gamma * H_naive, rtol=0, atol=1e-12)
+
+
 def test_round_with_no_active_worker_moves_by_the_memory():
     x = _data(n=2, m=10)
     model = GaussianMixtureShared.from_data(x, 2)

@@ -66,6 +66,29 @@ def test_uncompressed_full_participation_full_batch_gamma_one_is_exact_em(tmp_pa
     np.testing.assert_allclose(summary["statistics"], S.numpy(), rtol=0, atol=1e-10)
 
 
+def test_the_hubs_rules_scale_the_participants_sum_by_one_over_p():
+    """The star's inbox holds the participants' weighted mean and their share of the weight;
+    Alg. 4 wants H = V + (1/p) sum_{i in A} w_i Quant(Delta_i) (weights summing to 1), and the
+    naive baseline H = (1/p) sum_{i in A} w_i Quant(S_i - S)."""
+    from gossip_pfl.algorithms.rules import Inbox
+    from gossip_pfl.expfam.run import MemoryRule, NaiveRule
+
+    g = torch.Generator().manual_seed(0)
+    w = torch.tensor([0.1, 0.3, 0.2, 0.4], dtype=torch.float64)
+    msgs = torch.randn(4, 5, generator=g, dtype=torch.float64)  # Quant(Delta_i), q = 5
+    active = torch.tensor([True, False, True, False])
+    received = (w[active, None] * msgs[active]).sum(0, keepdim=True)  # (1 row, q)
+    inbox = Inbox({"q": received / w[active].sum()}, mass=float(w[active].sum()))
+    S, V = torch.randn(2, 1, 5, generator=g, dtype=torch.float64)
+    p, gamma, alpha = 0.5, 0.1, 0.3
+    state, H, _ = MemoryRule(gamma, alpha, p, lambda s: (s, 0)).update(inbox, {"S": S, "V": V})
+    torch.testing.assert_close(H, V + received / p, rtol=0, atol=1e-14)
+    torch.testing.assert_close(state["S"], S + gamma * (V + received / p), rtol=0, atol=1e-14)
+    torch.testing.assert_close(state["V"], V + alpha * received, rtol=0, atol=1e-14)
+    state, H, _ = NaiveRule(gamma, p, lambda s: (s, 0)).update(inbox, {"S": S})
+    torch.testing.assert_close(H, received / p, rtol=0, atol=1e-14)
+
+
 @pytest.mark.parametrize("algorithm", ["fedem_em", "vr_fedem"])
 def test_hub_memory_is_the_weighted_mean_of_the_workers(algorithm, tmp_path):
     """V_k = sum_i (N_i / N) V_{k,i}, also under Bernoulli participation and compression."""

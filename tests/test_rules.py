@@ -13,7 +13,7 @@ import pytest
 import torch
 from _helpers import free_port, run_ranks, stop_after_checkpoint, toy_dataset
 
-from gossip_pfl.algorithms.rules import FedLiLU, Inbox, ServerOpt
+from gossip_pfl.algorithms.rules import FedExP, FedLiLS, FedLiLU, Inbox, Scaffold, ServerOpt
 from gossip_pfl.cli import main
 from gossip_pfl.config import load_config
 from gossip_pfl.errors import GossipError
@@ -739,3 +739,87 @@ def test_fedli_client_loss_is_the_mean_over_real_samples(tmp_path):
     want = torch.nn.functional.binary_cross_entropy_with_logits(logits, y).item()
     trainer.local_work(0)
     assert trainer.outbox["loss"].item() == pytest.approx(want, rel=1e-5)
+
+
+# ---- 11. Server step formulas on hand-made tensors -----------------------------------------------
+
+
+def test_fedli_lu_weight_decay_enters_gamma():
+    """lam > 0, Delta != 0: gamma = (f - eta <Delta, lam theta>) / (eta ||Delta||^2) strictly
+    inside (0, 1), and theta - eta (lam theta + gamma Delta); sums run over both components."""
+    lam, eta, f = 0.1, 0.5, 0.75
+    th = [[2.0, 0.0], [-1.0, 1.0]]  # (M, P) = (2, 2)
+    dl = [[1.0, 1.0], [0.0, 1.0]]  # Delta = theta - mean
+    inner = sum(d * lam * t for tr, dr in zip(th, dl) for t, d in zip(tr, dr))  # 0.3
+    sq = sum(d * d for dr in dl for d in dr)  # 3
+    gamma = (f - eta * inner) / (eta * sq)  # (0.75 - 0.15) / 1.5 = 0.4
+    assert 0 < gamma < 1 and gamma != f / (eta * sq)  # the decay term changes gamma
+    want = [[t - eta * (lam * t + gamma * d) for t, d in zip(tr, dr)] for tr, dr in zip(th, dl)]
+    theta = torch.tensor([th], dtype=torch.float64)
+    inbox = Inbox({"theta": theta - torch.tensor([dl], dtype=torch.float64),
+                   "loss": torch.tensor([f], dtype=torch.float64)})  # fmt: skip
+    rule = FedLiLU(lam=lam, eta=eta)
+    new, state = rule.update(inbox, rule.init(theta), theta)
+    torch.testing.assert_close(state["gamma"], torch.tensor([0.4], dtype=torch.float64))
+    torch.testing.assert_close(new, torch.tensor([want], dtype=torch.float64), rtol=0, atol=1e-12)
+    # [[1.7, -0.2], [-0.95, 0.75]]
+
+
+def test_fedexp_extrapolates_with_the_halved_ratio():
+    """Three weighted clients: eta_g = mean_p ||Delta_i||^2 / (2 (||sum p_i Delta_i||^2 + eps))
+    > 1, and theta - eta_g sum p_i Delta_i, with Delta_i = theta - theta_i."""
+    eps = 0.01
+    p = [0.5, 0.25, 0.25]
+    th = [1.0, -2.0, 0.5]
+    deltas = [[2.0, 0.0, 0.0], [-1.0, 1.0, 0.0], [0.0, -1.0, 2.0]]
+    d = [sum(pi * di[j] for pi, di in zip(p, deltas)) for j in range(3)]  # (0.75, 0, 0.5)
+    mean_sq = sum(pi * sum(x * x for x in di) for pi, di in zip(p, deltas))  # 3.0
+    d2 = sum(x * x for x in d)  # 0.8125
+    eta_g = mean_sq / (2 * (d2 + eps))  # 1.8237...
+    assert eta_g > 1
+    theta = torch.tensor(th, dtype=torch.float64).view(1, 1, 3)
+    clients = theta - torch.tensor(deltas, dtype=torch.float64).view(3, 1, 3)
+    mean = torch.einsum("s,smp->mp", torch.tensor(p, dtype=torch.float64), clients)[None]
+    inbox = Inbox({"theta": mean, "sq_delta": torch.tensor([mean_sq], dtype=torch.float64)})
+    rule = FedExP(eps=eps)
+    new, state = rule.update(inbox, rule.init(theta), theta)
+    torch.testing.assert_close(state["eta_g"], torch.tensor([eta_g], dtype=torch.float64))
+    want = [t - eta_g * x for t, x in zip(th, d)]
+    torch.testing.assert_close(new.flatten(), torch.tensor(want, dtype=torch.float64),
+                               rtol=0, atol=1e-12)  # fmt: skip
+
+
+def test_fedli_ls_step_max_takes_the_largest_client_step():
+    """step: max with clients' eta (0.3, 1.7, 0.9), their weighted mean 1.0: the hub moves
+    theta - 1.7 Delta (Delta = theta - mean theta_i), not the min, the mean or FedAvg."""
+    etas = [0.3, 1.7, 0.9]
+    th, mn = [1.0, -1.0, 2.0], [0.5, 0.0, 2.5]  # Delta = (0.5, -1, -0.5)
+    theta = torch.tensor(th, dtype=torch.float64).view(1, 1, 3)
+    inbox = Inbox(
+        {"theta": torch.tensor(mn, dtype=torch.float64).view(1, 1, 3),
+         "eta": torch.tensor([1.0], dtype=torch.float64)},
+        clients={"eta": torch.tensor(etas, dtype=torch.float64)},
+    )  # fmt: skip
+    rule = FedLiLS(step="max")
+    assert rule.per_client == ("eta",)
+    new, state = rule.update(inbox, rule.init(theta), theta)
+    want = [t - 1.7 * (t - m) for t, m in zip(th, mn)]  # (0.15, 0.7, 2.85)
+    torch.testing.assert_close(new.flatten(), torch.tensor(want, dtype=torch.float64),
+                               rtol=0, atol=1e-12)  # fmt: skip
+    assert state["step"].tolist() == [1.7]
+
+
+def test_scaffold_server_lr_and_control_update():
+    """lr = 0.5: x + lr (mean theta_i - x), half way to the clients' average; the hub's c moves
+    by mass * mean delta c_i from a nonzero c (3 of 8 uniform clients: mass 3/8)."""
+    lr, mass = 0.5, 3 / 8
+    x, mn = [1.0, -2.0, 4.0], [3.0, -1.0, 0.0]
+    c, dc = [0.2, -0.4, 1.0], [0.8, 0.8, -1.6]
+    as_t = lambda v: torch.tensor(v, dtype=torch.float64).view(1, 1, 3)  # noqa: E731
+    rule = Scaffold(lr=lr)
+    inbox = Inbox({"theta": as_t(mn), "control": as_t(dc)}, mass=mass)
+    new, state = rule.update(inbox, {"control": as_t(c)}, as_t(x))
+    want = [a + lr * (m - a) for a, m in zip(x, mn)]  # (2, -1.5, 2)
+    torch.testing.assert_close(new, as_t(want), rtol=0, atol=1e-12)
+    want_c = [a + mass * b for a, b in zip(c, dc)]  # (0.5, -0.1, 0.4)
+    torch.testing.assert_close(state["control"], as_t(want_c), rtol=0, atol=1e-12)
