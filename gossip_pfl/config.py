@@ -401,6 +401,47 @@ def _changed(section: str, value, default) -> str:
     return ", ".join(f"{section}.{k}" for k, v in vars(value).items() if v != getattr(default, k))
 
 
+#: algorithm keys that only some algorithms read: key -> (whether ``name`` reads it)
+ALGORITHM_KEYS = {
+    "pi_init": lambda name, spec: not spec.single_model,
+    "q_smoothing": lambda name, spec: not spec.single_model,
+    "inner_steps": lambda name, spec: name == "pfedme",
+    "personal_lr": lambda name, spec: name in ("pfedme", "apfl"),
+    "alpha": lambda name, spec: name == "apfl",
+    "alpha_lr": lambda name, spec: name == "apfl",
+}
+ALGORITHM_KEY_USERS = {
+    "pi_init": "the mixtures' mixture weights: fedem, dfedem",
+    "q_smoothing": "the mixtures' loss weights: fedem, dfedem",
+    "inner_steps": "pfedme's inner problem",
+    "personal_lr": "pfedme and apfl's personal models",
+    "alpha": "apfl's mixing weight",
+    "alpha_lr": "apfl's mixing weight",
+}
+
+
+def _check_expfam_read(e: ExpFamConfig, name: str) -> None:
+    """An expfam key that the chosen data, model, compressor or algorithm does not read."""
+    d = ExpFamConfig()
+    readers = {  # key -> (read?, by what)
+        "split": (e.data == "gmm2d", "expfam.data gmm2d"),
+        "dim": (e.data == "lowrank", "expfam.data lowrank"),
+        "missing": (e.data == "lowrank", "expfam.data lowrank"),
+        "pca": (e.data == "fashion_mnist", "expfam.data fashion_mnist"),
+        "components": (e.model != "imputation", "the mixture models (imputation has a rank)"),
+        "rank": (e.model == "imputation", "expfam.model imputation"),
+        "levels": (e.compressor == "dithering", "expfam.compressor dithering"),
+        "norm": (e.compressor == "dithering", "expfam.compressor dithering"),
+        "block": (e.compressor == "block", "expfam.compressor block"),
+        "block_norm": (e.compressor == "block", "expfam.compressor block"),
+        "k_in": ("vr_fedem" in name, "VR-FedEM (vr_fedem, gossip_vr_fedem)"),
+    }
+    for key, (read, by) in readers.items():
+        if getattr(e, key) != getattr(d, key) and not read:
+            raise GossipError(f"config key 'expfam.{key}' is {getattr(e, key)!r} but this run "
+                              f"does not read it (it is for {by})")  # fmt: skip
+
+
 def _check_read(cfg: RunConfig, spec) -> None:
     """A key set for another rule or solver went unheeded (rule.lr under FedAvg's average ran
     FedAvg to the bit): the rule's own keys, the line search's, FedProx's mu, PeFLL's."""
@@ -415,7 +456,21 @@ def _check_read(cfg: RunConfig, spec) -> None:
             own = "expfam.*" if spec.workload == "expfam" else "pefll.*"
             raise GossipError(f"config key(s) {given}: '{a.name}' reads only algorithm.name "
                               f"(its keys are {own})")  # fmt: skip
+        given = [k for k, v, d in (("aggregation", cfg.aggregation, RunConfig.aggregation),
+                                   ("eval.finetune_epochs", cfg.eval.finetune_epochs, None),
+                                   ("eval.unseen_em", cfg.eval.unseen_em, EvalConfig.unseen_em))
+                 if v != d]  # fmt: skip
+        if given:
+            raise GossipError(f"config key '{given[0]}' is set but '{a.name}' does not read it "
+                              "(it is for the model workloads' FedEM family)")  # fmt: skip
+        if spec.workload == "expfam":
+            _check_expfam_read(cfg.expfam, a.name)
         return
+    for key, readers in ALGORITHM_KEYS.items():
+        if getattr(a, key) != getattr(AlgorithmConfig, key) and not readers(a.name, spec):
+            users = ALGORITHM_KEY_USERS[key]
+            raise GossipError(f"config key 'algorithm.{key}' is {getattr(a, key)!r} but "
+                              f"'{a.name}' does not read it ({users})")  # fmt: skip
     if spec.single_model and a.components not in (1, AlgorithmConfig.components):
         raise GossipError(f"config key 'algorithm.components' is {a.components} but "
                           f"'{a.name}' trains one model (M = 1)")  # fmt: skip

@@ -112,11 +112,39 @@ def test_runs_refused_before_training(tmp_path, capsys, sets, pattern):
             ["algorithm.name=dfedem", "schedule={graph: ring}", "aggregation=uniform"],
             r"'dfedem' has no hub that averages",
         ),
+        (
+            ["algorithm.q_smoothing=0.5"],
+            r"'algorithm.q_smoothing' is 0.5 but 'fedavg' does not "
+            r"read it \(the mixtures' loss weights",
+        ),
+        (["algorithm.pi_init=random"], r"'algorithm.pi_init' is 'random' but 'fedavg' does not"),
+        (["algorithm.name=apfl", "algorithm.inner_steps=9"], r"inner_steps' is 9 but 'apfl'"),
+        (["algorithm.name=pfedme", "algorithm.alpha_lr=0.5"], r"alpha_lr' is 0.5 but 'pfedme'"),
+        (["algorithm.personal_lr=0.5"], r"personal_lr' is 0.5 but 'fedavg' does not read it"),
     ],
 )
 def test_keys_no_part_of_the_run_reads_are_refused(tmp_path, capsys, sets, pattern):
-    """Each ran FedAvg to the bit, the key unheeded."""
+    """Each ran FedAvg (or the algorithm named) to the bit, the key unheeded."""
     argv = ["run", str(ROOT / "configs/synthetic/fedavg.yaml"), *SMALL, "--out", str(tmp_path)]
+    _one_line_error(capsys, argv + [x for s in sets for x in ("--set", s)], pattern)
+
+
+@pytest.mark.parametrize(
+    ("sets", "pattern"),
+    [
+        (["aggregation=uniform"], r"'aggregation' is set but 'fedem_em' does not read it"),
+        (["eval.finetune_epochs=2"], r"'eval.finetune_epochs' is set but 'fedem_em'"),
+        (["eval.unseen_em=one_step"], r"'eval.unseen_em' is set but 'fedem_em'"),
+        (["expfam.k_in=3"], r"'expfam.k_in' is 3 but this run does not read it \(it is for VR"),
+        (["expfam.pca=5"], r"'expfam.pca' is 5 .* for expfam.data fashion_mnist\)$"),
+        (["expfam.compressor=identity"], r"'expfam.block' is 4 .* for expfam.compressor block"),
+        (["expfam.rank=3"], r"'expfam.rank' is 3 .* \(it is for expfam.model imputation\)$"),
+    ],
+)
+def test_keys_an_em_run_does_not_read_are_refused(tmp_path, capsys, sets, pattern):
+    """Each gave the EM run's numbers to the bit, the key unheeded."""
+    argv = ["run", str(ROOT / "configs/expfam/gmm2d_fedem.yaml"), "--set", "rounds=1", "--out",
+            str(tmp_path)]  # fmt: skip
     _one_line_error(capsys, argv + [x for s in sets for x in ("--set", s)], pattern)
 
 
