@@ -137,7 +137,6 @@ def test_keys_no_part_of_the_run_reads_are_refused(tmp_path, capsys, sets, patte
         (["eval.unseen_em=one_step"], r"'eval.unseen_em' is set but 'fedem_em'"),
         (["expfam.k_in=3"], r"'expfam.k_in' is 3 but this run does not read it \(it is for VR"),
         (["expfam.pca=5"], r"'expfam.pca' is 5 .* for expfam.data fashion_mnist\)$"),
-        (["expfam.compressor=identity"], r"'expfam.block' is 4 .* for expfam.compressor block"),
         (["expfam.rank=3"], r"'expfam.rank' is 3 .* \(it is for expfam.model imputation\)$"),
     ],
 )
