@@ -32,6 +32,23 @@ def nonempty(text: str) -> str:
     return text
 
 
+def _out_of_memory(err: RuntimeError) -> bool:
+    """torch's "can't allocate memory" (CPU) or its OutOfMemoryError (CUDA)."""
+    torch = sys.modules.get("torch")  # (not loaded: not torch's error)
+    oom = getattr(torch, "OutOfMemoryError", ())
+    return torch is not None and (isinstance(err, oom) or "can't allocate memory" in str(err))
+
+
+def _allocation(text: str) -> str:
+    """The size torch's message names ("allocate 60000000000 bytes", "allocate 20.00 GiB")."""
+    import re
+
+    if m := re.search(r"allocate (\d+) bytes", text):
+        return f"{int(m.group(1)) / 2**30:,.1f} GiB"
+    m = re.search(r"allocate ([\d.]+ [KMGT]iB)", text)
+    return m.group(1) if m else "what it needed"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="gossip-pfl",
@@ -78,6 +95,12 @@ def main(argv: list[str] | None = None) -> int:
     except MemoryError as err:  # numpy names the array it could not allocate
         why = f": {one_line(err)}" if str(err) else ""
         print(f"gossip-pfl: error: out of memory{why} (a smaller problem fits)", file=sys.stderr)
+        return 2
+    except RuntimeError as err:  # torch's allocators raise RuntimeError, not MemoryError
+        if not _out_of_memory(err):
+            raise
+        print(f"gossip-pfl: error: out of memory: torch could not allocate "
+              f"{_allocation(str(err))} (a smaller problem fits)", file=sys.stderr)  # fmt: skip
         return 2
     except KeyboardInterrupt:
         print("gossip-pfl: interrupted", file=sys.stderr)

@@ -20,7 +20,7 @@ import yaml
 from gossip_pfl.algorithms import RULE_NAMES
 from gossip_pfl.errors import GossipError
 from topologies import TopologyError
-from topologies.spec import read_mapping
+from topologies.spec import load_yaml, read_mapping
 
 
 @dataclass
@@ -349,7 +349,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if not isinstance(node, dict):
                 raise GossipError(f"--set {key}: '{part}' is not a section")
         try:
-            node[parts[-1]] = yaml.safe_load(raw)
+            node[parts[-1]] = load_yaml(raw)
         except yaml.YAMLError as err:
             why = str(err).splitlines()[0]
             raise GossipError(f"--set {key}: {raw!r} is not a YAML value ({why})") from None
@@ -362,8 +362,6 @@ def read_yaml(path: str | Path) -> dict:
         return read_mapping(path, "config file")
     except TopologyError as err:
         raise GossipError(str(err)) from None
-    except UnicodeDecodeError:
-        raise GossipError(f"config file {path}: not a text (UTF-8) YAML file") from None
 
 
 def load_config(
@@ -518,6 +516,8 @@ def validate(cfg: RunConfig, unread: bool = True) -> None:
                           f"'{a.name}' does not read them")  # fmt: skip
     checks = [
         (cfg.rounds >= 1, "rounds", "must be >= 1"),
+        # '' was the current folder: the run's files among the user's own
+        (bool(str(cfg.out).strip()), "out", "must name a folder, not be empty"),
         # torch's seeds are 64-bit: seed * 1009 + m (a component's init) must fit
         (0 <= cfg.seed < 2**48, "seed", "must be in [0, 2**48)"),
         (a.components >= 1, "algorithm.components", "must be >= 1 (M, the number of components)"),

@@ -468,3 +468,75 @@ def test_plot_names_a_metric_that_is_not_a_number(tmp_path, capsys):
     capsys.readouterr()
     _one_line_error(capsys, ["plot", str(run), "--out", str(tmp_path / "plots")],
                     r"metrics.jsonl, round 2: test_accuracy is 'high', not a number$")  # fmt: skip
+
+
+def test_torchs_out_of_memory_is_one_line(capsys, monkeypatch):
+    """torch's CPU allocator raises a RuntimeError, not a MemoryError: its traceback ran 40
+    lines. Another RuntimeError is still a bug's traceback."""
+    import torch  # noqa: F401  (loaded, as in a run)
+
+    def too_big(args):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't "
+                           "allocate memory: you tried to allocate 60000000000 bytes.")  # fmt: skip
+
+    monkeypatch.setattr(cli.argparse.ArgumentParser, "parse_args", lambda *a, **k: _Args(too_big))
+    assert main(["run"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "gossip-pfl: error: out of memory: torch could not allocate 55.9 GiB (a smaller "
+        "problem fits)"
+    )
+
+    def bug(args):
+        raise RuntimeError("shape mismatch")
+
+    monkeypatch.setattr(cli.argparse.ArgumentParser, "parse_args", lambda *a, **k: _Args(bug))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        main(["run"])
+
+
+@pytest.mark.parametrize(
+    ("sets", "pattern"),
+    [
+        (["out=''"], r"config key 'out' must name a folder, not be empty"),
+        (
+            ["data.unseen_fraction=0.01"],
+            r"unseen_fraction 0.01 of 6 clients holds out none \(it "
+            r"rounds to 0; more than 0.0833 holds out one\)",
+        ),
+        (["data.seed=-1"], r"synthetic: option 'seed' must be in \[0, 2\*\*63\) \(got -1\)"),
+    ],
+)
+def test_runs_that_went_on_unsaid_are_refused(tmp_path, capsys, sets, pattern, monkeypatch):
+    """out: '' wrote the run into the current folder; a held-out share that rounds to no
+    client dropped the unseen clients' figures without a word."""
+    monkeypatch.chdir(tmp_path)  # (where out: '' wrote)
+    argv = ["run", str(ROOT / "configs/synthetic/fedavg.yaml"), *SMALL, "--out", str(tmp_path)]
+    if sets == ["out=''"]:
+        argv = argv[:-2]  # (the config's out, not --out)
+    _one_line_error(capsys, argv + [x for s in sets for x in ("--set", s)], pattern)
+
+
+@pytest.mark.parametrize("split", [[0.5, float("nan"), 0.5], [0.6, 0.2, None], ["a", "b", "c"],
+                                   [[0.6], 0.2, 0.2], [0.8, 0.2, float("nan")]])  # fmt: skip
+def test_a_split_of_anything_but_three_fractions_is_refused(split):
+    """A NaN passed the sum check (the run used 0.5/0/0.5); None was a TypeError."""
+    from gossip_pfl.data import partition
+
+    with pytest.raises(GossipError, match=r"split must be three non-negative fractions"):
+        partition._check_split(split, official_test=False)
+    with pytest.raises(GossipError, match=r"dirichlet: alpha must be a finite number > 0, got inf"):
+        partition.dirichlet(np.repeat(np.arange(4), 10), n_clients=4, alpha=float("inf"))
+
+
+def test_numbers_written_with_an_exponent_are_numbers(tmp_path):
+    """YAML 1.1 reads 4e-1 as a string: data options, participation and a schedule's p were
+    refused as 'not a number' where the typed keys took it."""
+    from gossip_pfl.config import load_config
+
+    cfg = load_config(ROOT / "configs/synthetic/dfedem.yaml",
+                      ["data.alpha=4e-1", "participation=5e-1",
+                       "schedule={graph: erdos_renyi, graph_args: {p: 5e-1}}"])  # fmt: skip
+    assert cfg.data.options["alpha"] == 0.4 and cfg.participation == 0.5
+    assert cfg.schedule["graph_args"]["p"] == 0.5
+    with pytest.raises(GossipError, match=r"--set schedule: .*\(key 'p' given twice\)"):
+        load_config(ROOT / "configs/synthetic/dfedem.yaml", ["schedule={p: 1, p: 2}"])

@@ -189,5 +189,5 @@ def test_options_of_the_wrong_type_name_the_option(option, value, want):
 def test_options_of_the_right_type_pass():
     ds = load_dataset("synthetic", **{**SMALL, "alpha": 1, "clustered": False, "cache": False})
     assert ds.n_clients == SMALL["n_clients"]  # an int where a float is the default is fine
-    with pytest.raises(GossipError, match=r"synthetic: seed must be in \[0, 2\*\*63\), got -1"):
+    with pytest.raises(GossipError, match=r"synthetic: option 'seed' must be in \[0, 2\*\*63\)"):
         load_dataset("synthetic", **{**SMALL, "seed": -1, "cache": False})  # a traceback before

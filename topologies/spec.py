@@ -21,6 +21,7 @@ from __future__ import annotations
 import difflib
 import inspect
 import os
+import re
 import zipfile
 from collections.abc import Hashable
 from pathlib import Path
@@ -417,6 +418,24 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+# YAML 1.1 reads a number written 1e-3 (no dot) as a string, YAML 1.2 and people as a number
+# (--set data.alpha=1e-1 was "must be a number (got '1e-1')")
+_UniqueKeyLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+    list("-+0123456789"),
+)
+
+
+def load_yaml(text: str):
+    """A YAML document as the spec files are read: a key given twice refused, 1e-3 a number.
+
+    >>> load_yaml("p: 5e-1")
+    {'p': 0.5}
+    """
+    return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
 def read_mapping(path: str | Path, what: str = "file") -> dict:
     """The YAML mapping in ``path`` ({} for an empty file). A missing file, a syntax error (with
     its line) or a non-mapping document is a one-line TopologyError naming the file.
@@ -437,7 +456,7 @@ def read_mapping(path: str | Path, what: str = "file") -> dict:
     if not p.is_file():
         raise TopologyError(f"{what} not found: {p}")
     try:
-        data = yaml.load(p.read_text(), Loader=_UniqueKeyLoader)
+        data = load_yaml(p.read_text())
     except UnicodeDecodeError as e:
         raise TopologyError(f"{p}: not a text file (byte {e.start} is not UTF-8)") from None
     except OSError as e:

@@ -79,6 +79,8 @@ def _options(dataset: str, defaults: dict[str, Any], given: dict[str, Any]) -> d
             raise GossipError(f"{dataset}: option {key!r} must be {want} (got {value!r})")
         if key in _PATHS and not (value is None or isinstance(value, str | os.PathLike)):
             raise GossipError(f"{dataset}: option {key!r} must be a folder (got {value!r})")
+        if key == "seed" and not 0 <= value < 2**63:  # (numpy's seeds are non-negative)
+            raise GossipError(f"{dataset}: option 'seed' must be in [0, 2**63) (got {value})")
     return {**defaults, **given}
 
 

@@ -125,6 +125,10 @@ def pick_unseen(n_clients: int, fraction: float, seed: int) -> list[int]:
         raise GossipError(
             f"unseen_fraction {fraction} leaves no client for training out of {n_clients}"
         )
+    if k == 0 and fraction > 0:  # the unseen clients' figures were missing, unsaid
+        least = 0.5 / n_clients
+        raise GossipError(f"unseen_fraction {fraction} of {n_clients} clients holds out none "
+                          f"(it rounds to 0; more than {least:.3g} holds out one)")  # fmt: skip
     rng = np.random.default_rng([seed, 0x5EE4])
     return sorted(int(i) for i in rng.choice(n_clients, size=k, replace=False))
 

@@ -250,7 +250,11 @@ def _split_client(name, t, idx, fractions, rng) -> tuple[np.ndarray, np.ndarray,
 
 
 def _check_split(split: Sequence[float], official_test: bool) -> tuple[float, float, float]:
-    if len(split) != 3 or any(f < 0 for f in split) or abs(sum(split) - 1) > 1e-6:
+    def fraction(f) -> bool:  # (a NaN passed every comparison; None was a TypeError)
+        return isinstance(f, int | float) and not isinstance(f, bool) and 0 <= f <= 1
+
+    ok = isinstance(split, list | tuple) and len(split) == 3 and all(map(fraction, split))
+    if not ok or abs(sum(split) - 1) > 1e-6:
         raise GossipError(
             "split must be three non-negative fractions (train, val, test) summing to 1, "
             f"got {split}"
@@ -276,8 +280,8 @@ def _check_labels(labels: np.ndarray, n_clients: int) -> np.ndarray:
 
 
 def _check_positive(name: str, value: float) -> None:
-    if not value > 0:
-        raise GossipError(f"{name} must be > 0, got {value}")
+    if not 0 < value < float("inf"):  # (inf: numpy's cast warning, then a wrong hint)
+        raise GossipError(f"{name} must be a finite number > 0, got {value}")
 
 
 def _checked(parts: list[np.ndarray], kind: str, hint: str) -> list[np.ndarray]:
