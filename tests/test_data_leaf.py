@@ -128,3 +128,41 @@ def test_a_user_without_samples_in_a_split_is_left_out(tmp_path):
     data = leaf.load_leaf(tmp_path, "shakespeare")
     assert data.train.x.shape == (2, 2) and data.test.x.shape == (1, 2)
     assert data.train.writer.tolist() == [0, 0] and data.test.writer.tolist() == [1]
+
+
+@pytest.mark.parametrize("kind", ["femnist", "shakespeare"])
+def test_writer_fraction_keeps_a_seeded_share_of_the_writers(kind, tmp_path):
+    """writer_fraction f of T writers (those with >= min_samples) keeps round(f T) of them,
+    each client holding all of its writer's samples (writer k has 2 + k, a fingerprint); the
+    same seed keeps the same writers, another seed another set. Checked on 12 writers (one
+    more with a single Shakespeare sample, under its min_samples 2) with f T = 3 and 3.6."""
+    rng = np.random.default_rng(0)
+    line = "To be, or not to be: that is the question. Whether 'tis nobler in the mind to su"
+    users = {}
+    for k in range(12):
+        n = 2 + k
+        if kind == "femnist":
+            users[f"w{k}"] = {"x": rng.random((n, 784)).round(2).tolist(),
+                              "y": rng.integers(0, 62, n).tolist()}  # fmt: skip
+        else:
+            users[f"w{k}"] = {"x": [line] * n, "y": ["a"] * n}
+    if kind == "shakespeare":
+        users["lone"] = {"x": [line], "y": ["b"]}  # 1 sample: not among the 12 counted
+    _write(tmp_path, "train", "a.json", users)
+    _write(tmp_path, "test", "a.json", {"w0": users["w0"]})  # w0: 2 + 2 samples in all
+    sizes = {f"w{k}": 2 + k for k in range(12)}
+    sizes["w0"] += 2
+
+    def kept(fraction, seed):
+        ds = load_dataset(kind, root=tmp_path, writer_fraction=fraction, seed=seed)
+        names = ds.meta["users"]
+        total = ds.sizes("train") + ds.sizes("val") + ds.sizes("test")
+        assert total.tolist() == [sizes[u] for u in names]  # each client is its writer
+        return names
+
+    assert len(kept(1.0, 0)) == 12
+    for fraction, n in ((0.25, 3), (0.3, 4)):  # round(3.0) = 3, round(3.6) = 4
+        a = kept(fraction, 1)
+        assert len(a) == len(set(a)) == n and set(a) <= set(sizes)
+        assert kept(fraction, 1) == a
+        assert set(kept(fraction, 2)) != set(a)

@@ -100,3 +100,40 @@ def test_bad_options_are_one_line_errors():
     with pytest.raises(GossipError, match="compressor"):
         build_compressor("topk")
     assert build_compressor("dithering", levels=2).levels == 2
+
+
+# block 1: [3, -4, 0, 1], block 2: [2, -1, 1.5, 0.5]; each block's p-norm by hand (p = 1e4 is the
+# max norm to float64 precision; the config refuses inf itself: "must be a finite number")
+BLOCK_NORMS = {1.0: (8.0, 5.0), 3.0: (92 ** (1 / 3), 12.5 ** (1 / 3)), 1e4: (4.0, 2.0)}
+
+
+@pytest.mark.parametrize("p", sorted(BLOCK_NORMS))
+def test_block_norm_key_sets_the_scale_of_each_block(p, tmp_path):
+    """expfam.block_norm reaches the run's compressor: on a hand-made vector of two blocks of
+    4, every coordinate sent is +-||block||_p (hand-computed norms) with the coordinate's sign,
+    and the mean of many draws is x within 5 standard errors of the Bernoulli variance
+    |x_j| ||block||_p - x_j^2 (hand formula; 0 for a coordinate whose |x_j| is the norm)."""
+    from gossip_pfl.config import load_config
+    from gossip_pfl.expfam.data import gmm2d
+    from gossip_pfl.expfam.run import ExpFamRun
+
+    cfg = load_config(base={
+        "seed": 5, "rounds": 1, "algorithm": {"name": "fedem_em"}, "out": str(tmp_path),
+        "runtime": {"device": "cpu"},
+        "expfam": {"clients": 6, "samples": 30, "compressor": "block", "block": 4,
+                   "block_norm": p},
+    })  # fmt: skip
+    run = ExpFamRun(cfg, dataset=gmm2d(n=6, m=30, seed=1), log=lambda *a: None)
+    run.comm.close()
+    x = torch.tensor([3.0, -4.0, 0.0, 1.0, 2.0, -1.0, 1.5, 0.5], dtype=torch.float64)
+    scale = torch.tensor([BLOCK_NORMS[p][0]] * 4 + [BLOCK_NORMS[p][1]] * 4, dtype=torch.float64)
+    draws = 20_000
+    out = run.quant(x.expand(draws, 8), torch.Generator().manual_seed(3))
+    sent = out != 0
+    assert sent.any(0)[x != 0].all() and not sent[:, x == 0].any()
+    expected = (torch.sign(x) * scale).expand(draws, 8)
+    torch.testing.assert_close(out[sent], expected[sent], rtol=1e-12, atol=0)
+    var = x.abs() * scale - x**2
+    assert (var >= -1e-12).all()
+    se = (var.clamp_min(0) / draws).sqrt()
+    assert ((out.mean(0) - x).abs() <= 5 * se + 1e-12).all()

@@ -293,3 +293,46 @@ def test_plot_of_an_em_run_draws_its_own_figure(tmp_path, capsys):
     assert main(["plot", str(run), str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is an EM run" in err[0], err
+
+
+@pytest.mark.parametrize("init", ["h", "zero"])
+def test_init_memory_sets_the_workers_first_memories(init, tmp_path):
+    """expfam.init_memory against a hand E-step: V_{0,i} = h_i(S_0) = sbar_i(T(S_0)) - S_0 (h)
+    or exactly 0 (zero), the hub's V their N_i/N-weighted mean, and the initial E-steps counted
+    (2 N with h, N with zero). After one exact round (identity, p = 1, full batch) the closed
+    form V_{1,i} = V_{0,i} + alpha (h_i(S_0) - V_{0,i}) tells the two apart (h_i for h,
+    alpha h_i for zero), while S_1 = S_0 + gamma sum_i w_i h_i(S_0) either way."""
+    gamma, alpha = 0.3, 0.25
+    cfg = _cfg(tmp_path, rounds=1, batch=0, gamma=gamma, alpha=alpha, init_memory=init)
+    data = _data()
+    run = ExpFamRun(cfg, dataset=data, log=lambda *a: None)
+    model, theta0 = build_model(cfg.expfam, data)
+    mask = data.mask[..., None]
+    w = torch.as_tensor(data.weights)[:, None]
+
+    def sbar(theta):  # each worker's mean of sbar over its own samples
+        return (model.sbar(theta, data.x) * mask).sum(1) / mask.sum(1)
+
+    S0 = (w * sbar(theta0(cfg.seed))).sum(0)
+    h = sbar(model.T(S0)) - S0
+    assert h.abs().min() > 1e-6  # the two choices differ in every entry
+    if init == "zero":
+        V0 = torch.zeros_like(h)
+        assert torch.count_nonzero(run.V_i) == 0 and torch.count_nonzero(run.hub["V"]) == 0
+    else:
+        V0 = h
+    torch.testing.assert_close(run.V_i, V0, rtol=0, atol=1e-12)
+    torch.testing.assert_close(run.hub["V"][0], (w * V0).sum(0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(run.hub["S"][0], S0, rtol=0, atol=1e-12)
+    N = int(data.counts.sum())
+    assert run.init_expectations == (2 if init == "h" else 1) * N
+    active = run.sample(0)
+    assert active.all()
+    run.local_work(0, active)
+    run.communicate(0, active)
+    run.comm.close()
+    assert run.counters["projected"] == 0
+    V1 = V0 + alpha * (h - V0)
+    torch.testing.assert_close(run.V_i, V1, rtol=0, atol=1e-12)
+    torch.testing.assert_close(run.hub["V"][0], (w * V1).sum(0), rtol=0, atol=1e-12)
+    torch.testing.assert_close(run.hub["S"][0], S0 + gamma * (w * h).sum(0), rtol=0, atol=1e-12)

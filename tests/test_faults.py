@@ -320,3 +320,118 @@ def test_a_failed_write_is_a_one_line_error_on_every_rank(tmp_path):
     assert "could not write" in msgs[0] and "No space left" in msgs[0], msgs
     assert "rank 0 could not write" in msgs[1], msgs
     assert all("\n" not in m for m in msgs)
+
+
+# ---- runtime.faults.ack_drop: lost acknowledgements ---------------------------------------------
+def _faults_of_a_peer_process(tmp: Path, monkeypatch, ack_drop: float):
+    """The Faults that `gossip-pfl peer` hands its ZmqComm for runtime.faults.ack_drop (the
+    comm is replaced by one that records them and stops the process there)."""
+    import gossip_pfl.runtime.zmq_comm as zc
+
+    class Built(Exception):
+        pass
+
+    def fake_comm(*args, faults=None, **kw):
+        raise Built(faults)
+
+    peers = tmp / "peers.yaml"
+    peers.write_text("0: 127.0.0.1:1\n1: 127.0.0.1:2\n")
+    runtime = {"device": "cpu", "faults": {"ack_drop": ack_drop, "seed": 7}}
+    algorithm = {"name": "dsgd", "lr": 0.1, "batch_size": 16}
+    cfg = write_cfg(tmp, algorithm=algorithm, schedule={"graph": "ring"}, runtime=runtime)
+    with monkeypatch.context() as m, pytest.raises(Built) as built:
+        m.setattr(zc, "ZmqComm", fake_comm)
+        main(["peer", str(cfg), "--peers", str(peers), "--id", "0", "--out", str(tmp / "run"),
+              "--quiet"])  # fmt: skip
+    return built.value.args[0]
+
+
+@pytest.mark.parametrize("ack_drop", [0.0, 0.3])
+def test_ack_drop_makes_the_ends_disagree_and_merge_counts_it(ack_drop, tmp_path, monkeypatch):
+    """runtime.faults.ack_drop reaches a peer process's Faults; with them, a ring of 4 ZmqComm
+    ranks (threads, seeded) mixes rows with weight 1/3 per link. Independent truths: each
+    rank's new row is x_k + sum over the links it counted of (x_j - x_k) / 3 (a lost link's
+    weight on the diagonal); the ends of a link disagree only through lost acks (none at 0,
+    some at 0.3 over 5 rounds); the change of the rows' sum in a round is exactly the
+    disagreeing links' (x_j - x_k) / 3 at the end that counted (the drift docs/p2p.md names),
+    and merge's links report counts the same disagreements, lost ends and drift."""
+    import threading
+
+    import torch
+
+    from gossip_pfl import cli_peer
+    from gossip_pfl.runtime import zmq_comm as zc
+    from gossip_pfl.runtime.exchange import Exchanger
+    from gossip_pfl.runtime.placement import Placement
+    from topologies import Phase
+
+    faults = _faults_of_a_peer_process(tmp_path, monkeypatch, ack_drop)
+    assert (faults.drop, faults.ack_drop, faults.seed) == (0.0, ack_drop, 7)
+    n, rounds = 4, 5
+    peers = {r: f"127.0.0.1:{p}" for r, p in enumerate(cli_peer.free_ports(n))}
+    lt = 0.25 if ack_drop else 5.0  # a lost ack costs the rank waiting for it a link timeout
+    x0 = torch.randn(n, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    i = np.arange(n)
+    phase = Phase(n, np.concatenate([i, i, i]), np.concatenate([i, (i + 1) % n, (i - 1) % n]),
+                  np.full(3 * n, 1 / 3))  # fmt: skip
+    seen: dict[int, list] = {}
+
+    def worker(k):
+        ex = Exchanger(Placement(n, n, k), comms[k])
+        state, rows = x0[k : k + 1].clone(), []
+        for t in range(rounds):
+            comms[k].set_tag(t, 0)
+            new = ex.mix(state, ex.plan(phase, key=0))
+            rows.append({**comms[k].last_links, "x": state[0], "out": new[0]})
+            state = new
+        seen[k] = rows
+
+    comms, threads = [], [threading.Thread(target=worker, args=(k,)) for k in range(n)]
+    try:
+        comms += [zc.ZmqComm(k, peers, "cpu", 10, p2p=True, link_timeout_s=lt, faults=faults)
+                  for k in range(n)]  # fmt: skip
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(30)
+    finally:
+        for c in comms:
+            c.close()
+    assert sorted(seen) == list(range(n))
+    disagree, lost_ends, total = 0, 0, torch.zeros(7, dtype=torch.float64)
+    for t in range(rounds):
+        row = {k: seen[k][t] for k in range(n)}
+        counted = {k: set(r["links"]) - set(r["lost"]) for k, r in row.items()}
+        explained = torch.zeros(7, dtype=torch.float64)
+        for k, r in row.items():
+            assert r["round"] == t and sorted(r["links"]) == sorted({(k + 1) % n, (k - 1) % n})
+            lost_ends += len(r["lost"])
+            hand = r["x"] + sum(((row[j]["x"] - r["x"]) / 3 for j in counted[k]), 0 * r["x"])
+            torch.testing.assert_close(r["out"], hand, rtol=0, atol=1e-12)
+            for j in counted[k] - {j for j in r["links"] if k in counted[j]}:
+                disagree += 1  # k counted j, j did not count k
+                explained += (row[j]["x"] - r["x"]) / 3
+        change = sum(r["out"] - r["x"] for r in row.values())
+        torch.testing.assert_close(change, explained, rtol=0, atol=1e-12)
+        total += change
+    injected = sum(c.stats["injected"] for c in comms)
+    if ack_drop:
+        # each dropped ack (sender j -> receiver k) costs k its end of that link
+        assert disagree > 0 and lost_ends >= injected > 0 and total.norm() > 1e-6
+    else:
+        assert disagree == lost_ends == injected == 0
+    # merge reads the rows each process writes to links.jsonl (PeerTrainer._log_mix)
+    folders = []
+    for k in range(n):
+        folder = tmp_path / "merge" / str(k)
+        folder.mkdir(parents=True)
+        lines = [json.dumps({"round": r["round"], "phase": r["phase"], "links": r["links"],
+                             "lost": r["lost"], "before": r["x"].tolist(),
+                             "change": (r["out"] - r["x"]).tolist()}) for r in seen[k]]  # fmt: skip
+        (folder / "links.jsonl").write_text("\n".join(lines) + "\n")
+        folders.append(folder)
+    report = cli_peer._merge_links(folders)
+    last = sum(seen[k][-1]["x"] for k in range(n))
+    assert report["exchanges"] == rounds and report["link_ends"] == 2 * n * rounds
+    assert report["disagreements"] == disagree and report["link_ends_lost"] == lost_ends
+    assert report["drift_total"] == pytest.approx(float(total.norm() / last.norm()), abs=1e-12)

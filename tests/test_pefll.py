@@ -340,3 +340,29 @@ def test_a_round_waits_for_the_device_only_for_the_finite_check(monkeypatch, tmp
         one_round(r, 1)
         one_round(r, 2)
     assert mode.seen == ["aten._local_scalar_dense.default"] * 2
+
+
+@pytest.mark.parametrize("layers", [1, 4])
+def test_hidden_layers_sets_the_hypernetworks_depth(layers, tmp_path):
+    """pefll.hidden_layers = k builds k hidden Linear+ReLU pairs (counted modules, in order,
+    l -> hidden -> ... -> hidden), then one linear head per client tensor; the hub's eta_h
+    has the hand count (l + 1) h + (k - 1) (h + 1) h + (h + 1) P, P the LeNet's parameters."""
+    from torch import nn
+
+    hidden, l = 7, 3
+    cfg = config(tmp_path, pefll={"hidden": hidden, "hidden_layers": layers})
+    r = PeFLLRun(cfg, images(), log=quiet)
+    body = list(r.hyper.module.body)
+    assert len(body) == 2 * layers
+    assert all(isinstance(m, nn.Linear) for m in body[0::2])
+    assert all(isinstance(m, nn.ReLU) for m in body[1::2])
+    assert [(m.in_features, m.out_features) for m in body[0::2]] == [(l, hidden)] + [
+        (hidden, hidden)
+    ] * (layers - 1)
+    client = list(build_model("lenet", (1, 16, 16), 4).parameters())
+    P = sum(p.numel() for p in client)
+    heads = r.hyper.module.heads
+    assert len(heads) == len(client) and all(h.in_features == hidden for h in heads)
+    assert sum(isinstance(m, nn.Linear) for m in r.hyper.module.modules()) == layers + len(client)
+    expected = (l + 1) * hidden + (layers - 1) * (hidden + 1) * hidden + (hidden + 1) * P
+    assert r.hub_state["eta_h"].numel() == expected
