@@ -126,6 +126,8 @@ class RoundLoop:
             first, rows = self.restore(out)
         if is_main:
             rundir.write(out, lambda p: p.mkdir(parents=True, exist_ok=True))
+            if not resume:
+                rundir.clear_outputs(out)
             config_text = rundir.dump_yaml(to_dict(cfg))
             rundir.write(out / "config.yaml", lambda p: p.write_text(config_text))
             # rows past the checkpoint are recomputed: keep the file consistent with the state

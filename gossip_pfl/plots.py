@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gossip_pfl.errors import GossipError, one_line
-from gossip_pfl.rundir import read_rows
+from gossip_pfl.rundir import FIGURES, read_rows
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -31,13 +31,7 @@ FIGSIZE = (7.5, 4.6)
 MAX_INSIDE_LEGEND = 4  # more runs: the legend goes right of the axes
 
 #: the PNG file stems, in the order they are written (see PLOTS for the functions)
-PLOT_NAMES = (
-    "accuracy_vs_round",
-    "loss_vs_round",
-    "consensus_vs_round",
-    "accuracy_vs_bytes",
-    "client_accuracy_hist",
-)
+PLOT_NAMES = FIGURES[:5]
 
 
 @dataclass

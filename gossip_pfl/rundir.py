@@ -130,8 +130,22 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
                 f"out: {out} holds another run ({', '.join(found)}); choose another --out"
                 f"{go_on} or replace it with --overwrite"
             )
-        if found and int(os.environ.get("RANK", 0)) == 0:  # a stop must not resume the old run
-            (out / CHECKPOINT_FILE).unlink(missing_ok=True)
+
+
+#: every figure a run writes into RUN_DIR/plots (plots.py, expfam/run.py)
+FIGURES = ("accuracy_vs_round", "loss_vs_round", "consensus_vs_round", "accuracy_vs_bytes",
+           "client_accuracy_hist", "mixture_weights_vs_round", "expfam")  # fmt: skip
+
+
+def clear_outputs(out: Path) -> None:
+    """A fresh run's start in a folder that may hold another run (``--overwrite``): the files
+    that run wrote and this one may not write again go (its summary, its checkpoint, which a
+    stop must not leave to be resumed, and its figures: an EM run kept a FedAvg run's five).
+    Only now, once the run is built: an --overwrite refused for a bad schedule kept the old
+    run whole. The metrics and config are rewritten at once; nothing else is touched."""
+    for path in (out / "summary.json", out / CHECKPOINT_FILE,
+                 *(out / "plots" / f"{name}.png" for name in FIGURES)):  # fmt: skip
+        write(path, lambda p: p.unlink(missing_ok=True))
 
 
 def append_row(path: Path, row: dict) -> None:

@@ -22,6 +22,7 @@ from gossip_pfl.config import load_config
 from gossip_pfl.errors import GossipError
 from gossip_pfl.train import Trainer
 
+ROOT = Path(__file__).resolve().parents[1]
 SMALL = {
     "seed": 5,
     "rounds": 3,
@@ -122,6 +123,27 @@ def test_another_runs_folder_is_kept_unless_overwrite(tmp_path, capsys):
     one_line_error(capsys, ["run", str(cfg), "--out", str(out), "--quiet"], "holds another run")
     assert (out / "metrics.jsonl").read_bytes() == before
     assert main(["run", str(cfg), "--out", str(out), "--quiet", "--overwrite", "--no-plots"]) == 0
+
+
+def test_overwrite_replaces_the_old_runs_files_once_the_new_run_is_built(tmp_path, capsys):
+    """An --overwrite refused for a bad schedule (found once the run is built) keeps the old
+    run whole, its checkpoint too (it was deleted first, and a resume then said there was
+    none); one that runs leaves none of the old run's figures (an EM run kept FedAvg's)."""
+    cfg, out = write_cfg(tmp_path, checkpoint_every=1), tmp_path / "run"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet"]) == 0
+    old = {p.name: p.read_bytes() for p in [*out.glob("*.*"), *(out / "plots").glob("*.png")]}
+    assert "checkpoint.pt" in old and "accuracy_vs_round.png" in old
+    capsys.readouterr()
+    bad = ["--set", "algorithm.name=dsgd", "--set", "schedule={graph: torus}"]  # n = 8
+    code, err = cli(["run", str(cfg), "--out", str(out), "--quiet", "--overwrite", *bad], capsys)
+    assert code == 2 and "torus" in err[0], err
+    assert {p.name: p.read_bytes() for p in [*out.glob("*.*"), *(out / "plots").glob("*.png")]
+            } == old  # fmt: skip
+    em = ["run", str(ROOT / "configs/expfam/gmm2d_fedem.yaml"), "--set", "rounds=2",
+          "--set", "expfam.clients=6", "--out", str(out), "--quiet", "--overwrite"]  # fmt: skip
+    assert main(em) == 0
+    assert sorted(p.name for p in (out / "plots").iterdir()) == ["expfam.png"]
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 2
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
