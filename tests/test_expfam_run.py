@@ -254,6 +254,8 @@ def test_bad_input_is_a_one_line_error_naming_the_key(override, key, tmp_path, c
         # the hunt's cases: a LinAlgError traceback (Cholesky of a covariance that is not
         # positive definite), and values past float range written to summary.json
         (["expfam.gamma=1e200"], "round 2: the statistics S map to a singular model"),
+        # evaluated every round: the evaluation meets the singular model first
+        (["expfam.gamma=1e200", "eval.every=1"], "round 1: the statistics S map to a singular"),
         (["expfam.gamma=1e200", "expfam.model=gmm_diag"], "round 1: the statistics S became"),
         (["expfam.clients=1", "expfam.samples=2"], "the model at start is singular on this "
                                                    "data (2 samples in all, dimension 2)"),

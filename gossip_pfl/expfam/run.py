@@ -289,11 +289,14 @@ class ExpFamRun(RoundLoop):
         try:
             self._local_work(t, active)
         except torch.linalg.LinAlgError:  # T(S) is a singular model: S left the valid set
-            raise GossipError(
-                f"round {t + 1}: the statistics S map to a singular model (a covariance that is "
-                f"not positive definite): lower expfam.gamma (now {self.e.gamma}) or raise "
-                f"expfam.batch (now {self.e.batch})"
-            ) from None
+            raise self._singular(t + 1) from None
+
+    def _singular(self, rnd: int) -> GossipError:
+        return GossipError(
+            f"round {rnd}: the statistics S map to a singular model (a covariance that is "
+            f"not positive definite): lower expfam.gamma (now {self.e.gamma}) or raise "
+            f"expfam.batch (now {self.e.batch})"
+        )
 
     def _local_work(self, t: int, active: np.ndarray | None) -> None:
         L = len(self.peers)
@@ -403,6 +406,12 @@ class ExpFamRun(RoundLoop):
         return float(err.pow(2).mean().sqrt())
 
     def metrics_row(self, t: int) -> dict:
+        try:
+            return self._metrics_row(t)
+        except torch.linalg.LinAlgError:  # the round's update left the valid set: evaluated
+            raise self._singular(t + 1) from None  # before the next round's local work saw it
+
+    def _metrics_row(self, t: int) -> dict:
         S = self.statistics()
         theta = self.model.T(S)
         sbar = self.weighted_sum(self.full_means(theta))
