@@ -1226,9 +1226,16 @@ class Trainer(RoundLoop):
         """``first``: this rank's first bad row + 1 (0: none here); ``worst`` nonzero: some
         rank has one."""
         peer = f"peer {int(self.peers[first - 1])}" if first else "peer ?"
+        a, r = self.cfg.algorithm, self.cfg.rule
+        # every step size or weight the config set, not only algorithm.lr (a weight decay of
+        # 1e10 was blamed on the learning rate)
+        steps = [("algorithm.lr", a.lr), ("algorithm.momentum", a.momentum or None),
+                 ("algorithm.weight_decay", a.weight_decay or None), ("algorithm.mu", a.mu or None),
+                 ("algorithm.personal_lr", a.personal_lr), ("rule.lr", r.lr)]  # fmt: skip
+        named = ", ".join(f"{k} (now {v:g})" for k, v in steps if v is not None)
         raise GossipError(
             f"round {t + 1}: the parameters of a peer (first: {peer} on rank "  # rounds from 1
-            f"{self.comm.rank}) became NaN/inf; lower algorithm.lr (now {self.cfg.algorithm.lr})"
+            f"{self.comm.rank}) became NaN/inf; lower the steps: {named}"
         )
 
     # ---- checkpoints ----------------------------------------------------------------------

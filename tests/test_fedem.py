@@ -263,7 +263,13 @@ def test_unseen_em_reads_its_stop_rarely_and_stops_where_it_did(tol, monkeypatch
 
 def test_nan_learning_rate_names_round_and_peer(tmp_path):
     cfg = cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}, lr=1e39)
-    with pytest.raises(GossipError, match=r"round \d+: .*peer \d+.*lower algorithm.lr"):
+    with pytest.raises(GossipError, match=r"round \d+: .*peer \d+.*lower the steps: "
+                                          r"algorithm.lr \(now 1e\+39\)$"):  # fmt: skip
+        Trainer(cfg, dataset=toy_dataset(8), log=quiet).run()
+    # a weight decay that blows up is named (it was blamed on algorithm.lr)
+    cfg = cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}, weight_decay=1e10)
+    with pytest.raises(GossipError, match=r"algorithm.lr \(now 0.3\), algorithm.weight_decay "
+                                          r"\(now 1e\+10\)$"):  # fmt: skip
         Trainer(cfg, dataset=toy_dataset(8), log=quiet).run()
 
 
