@@ -100,9 +100,11 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
             f"algorithm '{cfg.algorithm.name}' needs a schedule: set 'schedule' to a topology "
             "spec or a schedule YAML path (e.g. schedule: {graph: ring, weights: metropolis})"
         )
-    base_dir = None
+    base_dir = file = None
     if isinstance(sched, str):
-        base_dir = Path(sched).parent
+        base_dir, file = Path(sched).parent, sched
+        if Path(sched).is_dir():
+            raise GossipError(f"config key 'schedule': {sched} is a folder, not a schedule file")
         if not Path(sched).is_file():
             raise GossipError(f"config key 'schedule': schedule file not found: {sched}")
         try:
@@ -132,8 +134,8 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
     try:
         schedule = schedule_from_spec(sched, base_dir=base_dir)
     except TopologyError as err:  # an inline spec's keys are the config's schedule.* keys
-        if base_dir:  # a schedule file: the message names it
-            raise
+        if file:  # a schedule file: the message names it
+            raise TopologyError(f"schedule file {file}: {err}") from None
         keyed = str(err).split(":")[0] in KNOWN_KEYS
         raise TopologyError(f"schedule{'.' if keyed else ': '}{err}") from None
     if cfg.check_schedule:  # the checks of `topology describe`, with the figures

@@ -540,3 +540,23 @@ def test_numbers_written_with_an_exponent_are_numbers(tmp_path):
     assert cfg.schedule["graph_args"]["p"] == 0.5
     with pytest.raises(GossipError, match=r"--set schedule: .*\(key 'p' given twice\)"):
         load_config(ROOT / "configs/synthetic/dfedem.yaml", ["schedule={p: 1, p: 2}"])
+
+
+@pytest.mark.parametrize(
+    ("schedule", "pattern"),
+    [
+        ("{folder}", r"config key 'schedule': .* is a folder, not a schedule file$"),
+        ("configs/topologies/lesmis.txt", r"lesmis.txt is not a schedule file \(YAML\); a spec "
+                                          r"names it as \{graph: FILE\}$"),
+        ("configs/synthetic/fedavg.yaml", r"schedule file configs/synthetic/fedavg.yaml: unknown "
+                                          r"key 'rounds'"),
+    ],
+)  # fmt: skip
+def test_a_schedule_path_that_is_no_schedule_says_what_it_is(tmp_path, capsys, monkeypatch,
+                                                             schedule, pattern):  # fmt: skip
+    """A folder was 'not found', an edge list 'expected a mapping of keys, got str', and a run
+    config's keys were refused without naming the file they came from."""
+    monkeypatch.chdir(ROOT)  # (the paths as a user in the checkout writes them)
+    argv = ["run", "configs/synthetic/dfedem.yaml", *SMALL, "--out", str(tmp_path / "run"),
+            "--set", f"schedule={schedule.format(folder=tmp_path)}"]  # fmt: skip
+    _one_line_error(capsys, argv, pattern)

@@ -370,10 +370,14 @@ def _periodic(spec, tv, n, weights, seed, base_dir) -> MixingSchedule:
 # ----------------------------------------------------------------------------- files
 
 
+#: the usual names of edge-list text files (load_graph reads any other name as one too)
+_EDGE_LISTS = (".txt", ".edgelist", ".edges", ".csv", ".tsv")
+
+
 def check_not_data_file(path: Path) -> None:
     """A graph or matrix file given where a schedule file (YAML) goes: say where it goes."""
     suffix = path.suffix.lower()
-    if suffix in (*_graphs.GRAPH_FILE_READERS, ".npy", ".npz"):
+    if suffix in (*_graphs.GRAPH_FILE_READERS, *_EDGE_LISTS, ".npy", ".npz"):
         key = "time_varying: {kind: periodic, file: FILE}" if suffix == ".npz" else "graph: FILE"
         raise TopologyError(f"{path} is not a schedule file (YAML); a spec names it as {{{key}}}")
 
