@@ -12,6 +12,10 @@ import warnings
 # threads, 1.4x to 1.6x with sleeping ones; a run alone is as fast (docs/speed-notes.md).
 # A variable already set wins (OMP_WAIT_POLICY=ACTIVE spins).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before numpy loads: the same for OpenBLAS's threads, which spin 2^28 cycles after a call
+# before they sleep. Two `topology describe` side by side took 44 s against 6 s alone; asleep
+# after 2^4 cycles, 13 s (the shared cores explain 12), and a run alone is as fast.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 from gossip_pfl.errors import GossipError, one_line  # noqa: E402
 from topologies import TopologyError  # noqa: E402

@@ -700,18 +700,24 @@ def test_thread_default_follows_affinity_ranks_and_env(monkeypatch):
 
 def test_the_command_makes_idle_openmp_threads_sleep_before_torch_loads():
     """OpenMP reads OMP_WAIT_POLICY once, when torch loads it: gossip-pfl's entry module sets
-    PASSIVE (unless the variable is set) and imports no torch itself, so the setting holds."""
+    PASSIVE (unless the variable is set) and imports no torch itself, so the setting holds.
+    OpenBLAS reads OPENBLAS_THREAD_TIMEOUT when numpy loads: the module sets 4 (2^4 cycles of
+    spinning) before its first import of numpy, unless the variable is set."""
     code = (
-        "import os, sys, gossip_pfl.cli\n"
-        "print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)"
+        "import os, sys\n"
+        "numpy_first = 'numpy' in sys.modules\n"
+        "import gossip_pfl.cli\n"
+        "print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules,\n"
+        "      os.environ['OPENBLAS_THREAD_TIMEOUT'], numpy_first, 'numpy' in sys.modules)"
     )
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    for given, seen in ((None, "PASSIVE"), ("ACTIVE", "ACTIVE")):
+    keys = ("OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT")
+    env = {k: v for k, v in os.environ.items() if k not in keys}
+    for given, seen in ((None, ["PASSIVE", "4"]), (["ACTIVE", "28"], ["ACTIVE", "28"])):
         if given:
-            env["OMP_WAIT_POLICY"] = given
+            env.update(zip(keys, given))
         done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                               text=True, check=True)  # fmt: skip
-        assert done.stdout.split() == [seen, "False"]
+        assert done.stdout.split() == [seen[0], "False", seen[1], "False", "True"]
 
 
 def test_first_log_line_states_how_idle_threads_wait(monkeypatch):
