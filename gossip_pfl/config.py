@@ -142,9 +142,9 @@ class ExpFamConfig:
     rank: int = 2  #: r, the imputation model's rank (< dimension)
     compressor: str = "identity"  #: identity | dithering | block
     levels: int = 1  #: dithering: s levels
-    norm: float = 2.0  #: dithering: the norm r
+    norm: float = 2.0  #: dithering: the norm r (.inf: the max norm)
     block: int = 8  #: block: block length
-    block_norm: float = 2.0  #: block: the block's norm p
+    block_norm: float = 2.0  #: block: the block's norm p (.inf: the max norm)
     p: float = 1.0  #: each worker takes part in a round with probability p (Bernoulli)
     gamma: float = 0.01  #: step size on S
     alpha: float = 0.01  #: memory step size (theory: 1 / (1 + omega))
@@ -586,7 +586,7 @@ def validate(cfg: RunConfig, unread: bool = True) -> None:
         if not ok:
             raise GossipError(f"config key '{key}' {msg} (got {_get(cfg, key)!r})")
     for key, value in _floats(cfg):
-        if not math.isfinite(value):
+        if not math.isfinite(value) and not (key in _INF_NORMS and value == math.inf):
             raise GossipError(f"config key '{key}' must be a finite number (got {value!r})")
     if spec.workload != "model" and (given := _changed("rule", cfg.rule, RuleConfig())):
         raise GossipError(f"config key(s) {given}: rules are for the model workloads; "
@@ -709,6 +709,10 @@ def _expfam_checks(cfg: RunConfig) -> list[tuple[bool, str, str]]:
         (e.k_in >= 1, "expfam.k_in", "must be >= 1"),
         (e.init_memory in ("h", "zero"), "expfam.init_memory", "must be h|zero"),
     ]  # fmt: skip
+
+
+#: the compressors' norms, where .inf is the max norm (the usual choice for dithering)
+_INF_NORMS = ("expfam.norm", "expfam.block_norm")
 
 
 def _floats(cfg, prefix: str = ""):

@@ -103,8 +103,9 @@ def test_bad_options_are_one_line_errors():
 
 
 # block 1: [3, -4, 0, 1], block 2: [2, -1, 1.5, 0.5]; each block's p-norm by hand (p = 1e4 is the
-# max norm to float64 precision; the config refuses inf itself: "must be a finite number")
-BLOCK_NORMS = {1.0: (8.0, 5.0), 3.0: (92 ** (1 / 3), 12.5 ** (1 / 3)), 1e4: (4.0, 2.0)}
+# max norm to float64 precision, as p = inf is exactly)
+BLOCK_NORMS = {1.0: (8.0, 5.0), 3.0: (92 ** (1 / 3), 12.5 ** (1 / 3)), 1e4: (4.0, 2.0),
+               float("inf"): (4.0, 2.0)}  # fmt: skip
 
 
 @pytest.mark.parametrize("p", sorted(BLOCK_NORMS))
