@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from gossip_pfl.cli import nonempty
-from gossip_pfl.config import load_config, read_yaml
+from gossip_pfl.config import load_config, path_override, read_yaml
 from gossip_pfl.errors import KILLED_EXIT, GossipError
 from gossip_pfl.metrics import score_entries
 from gossip_pfl.rundir import CHECKPOINT_FILE, read_rows, write, write_rows
@@ -109,7 +109,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
         if kill["id"] not in table:
             raise GossipError(f"runtime.faults.kill: id {kill['id']} is not in peers file {source}")
     out = run_dir / "peers" / str(args.id)
-    overrides = [*args.overrides, "runtime.transport=zmq", f"out={out}"]
+    overrides = [*args.overrides, "runtime.transport=zmq", path_override("out", out)]
     cfg = load_config(args.config, overrides, unread=unread)
     check_out_dir(out, args.resume, args.overwrite)
     dataset = load_dataset(cfg.data.name, **cfg.data.options)
@@ -226,6 +226,11 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
                 "replace it with --overwrite"
             )
         shutil.rmtree(run_dir / "peers")
+        # and the old run's merged files and logs (appended to): a new run that fails must
+        # not leave them beside its own processes' outputs
+        shutil.rmtree(run_dir / "logs", ignore_errors=True)
+        for name in ("metrics.jsonl", "summary.json"):
+            (run_dir / name).unlink(missing_ok=True)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     peers = run_dir / "peers.yaml"
     peers.write_text("".join(f"{k}: 127.0.0.1:{p}\n" for k, p in enumerate(free_ports(args.n))))

@@ -7,7 +7,7 @@ from importlib import resources
 from pathlib import Path
 
 from gossip_pfl.cli import nonempty
-from gossip_pfl.config import load_config, read_yaml
+from gossip_pfl.config import load_config, path_override, read_yaml
 from gossip_pfl.errors import GossipError
 
 
@@ -55,7 +55,7 @@ def default_config() -> dict:
 def cmd_run(args: argparse.Namespace) -> int:
     from gossip_pfl.rundir import RunStopped, check_out_dir, is_peer_run
 
-    overrides = list(args.overrides) + ([f"out={args.out}"] if args.out else [])
+    overrides = list(args.overrides) + ([path_override("out", args.out)] if args.out else [])
     if args.resume:
         if args.out and Path(args.out).resolve() != Path(args.resume).resolve():
             raise GossipError(f"--resume {args.resume} continues the run in its own folder; "
@@ -66,7 +66,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                               "(docs/p2p.md)")  # fmt: skip
         # the run's own resolved config, unless one is given (then it must match the checkpoint)
         source = args.config or str(Path(args.resume) / "config.yaml")
-        cfg = load_config(source, overrides + [f"out={args.resume}"], unread=False)
+        cfg = load_config(source, overrides + [path_override("out", args.resume)], unread=False)
     elif args.config:
         read_yaml(args.config)  # a missing or malformed file fails here, naming it
         cfg = load_config(args.config, overrides)

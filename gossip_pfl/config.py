@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
 import types
 import typing
@@ -364,6 +365,12 @@ def read_yaml(path: str | Path) -> dict:
         raise GossipError(str(err)) from None
 
 
+def path_override(key: str, path) -> str:
+    """``KEY=PATH`` for :func:`load_config`'s overrides, the path quoted: read as YAML, a
+    folder named 1e-3, 100 or yes was a number or a boolean."""
+    return f"{key}={json.dumps(str(path))}"
+
+
 def load_config(
     path: str | Path | None = None,
     overrides: list[str] = (),
@@ -452,13 +459,18 @@ def _check_read(cfg: RunConfig, spec) -> None:
             own = "expfam.*" if spec.workload == "expfam" else "pefll.*"
             raise GossipError(f"config key(s) {given}: '{a.name}' reads only algorithm.name "
                               f"(its keys are {own})")  # fmt: skip
-        given = [k for k, v, d in (("aggregation", cfg.aggregation, RunConfig.aggregation),
-                                   ("eval.finetune_epochs", cfg.eval.finetune_epochs, None),
-                                   ("eval.unseen_em", cfg.eval.unseen_em, EvalConfig.unseen_em))
-                 if v != d]  # fmt: skip
-        if given:
-            raise GossipError(f"config key '{given[0]}' is set but '{a.name}' does not read it "
-                              "(it is for the model workloads' FedEM family)")  # fmt: skip
+        unread = [  # key, value, its no-op values, what reads it
+            ("aggregation", cfg.aggregation, (RunConfig.aggregation,),
+             "the hub's average of the model workloads' server algorithms"),
+            ("eval.finetune_epochs", cfg.eval.finetune_epochs, (None, 0),
+             "the model workloads' fine-tuning before evaluation, FedAvg+'s"),
+            ("eval.unseen_em", cfg.eval.unseen_em, (EvalConfig.unseen_em,),
+             "the mixtures' E-step on unseen clients: fedem, dfedem"),
+        ]  # fmt: skip
+        for key, value, noop, by in unread:
+            if value not in noop:
+                raise GossipError(f"config key '{key}' is {value!r} but '{a.name}' does not "
+                                  f"read it (it is for {by})")  # fmt: skip
         if spec.workload == "expfam":
             _check_expfam_read(cfg.expfam, a.name)
         return

@@ -33,10 +33,14 @@ class PeerTrainer(Trainer):
         g = torch.Generator().manual_seed(cfg.seed)  # the same coordinates in every process
         probe = torch.randperm(width, generator=g)[:PROBES].sort().values
         self.probe = probe.to(self.device)
-        self.links = open(Path(cfg.out) / "links.jsonl", "a", buffering=1)  # noqa: SIM115
+        self.links = None  # opened by run
         self.exchanger.on_mix = self._log_mix
 
     def run(self, resume: bool = False) -> dict:
+        # a fresh run starts the file anew (appended to, an --overwrite kept the old run's
+        # exchanges: merge counted both); only now, once the run is built
+        path = Path(self.cfg.out) / "links.jsonl"
+        self.links = open(path, "a" if resume else "w", buffering=1)  # noqa: SIM115
         try:
             if not resume:  # a fresh start needs every process
                 self.comm.join(0, need_all=True)

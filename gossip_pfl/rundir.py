@@ -140,7 +140,8 @@ FIGURES = ("accuracy_vs_round", "loss_vs_round", "consensus_vs_round", "accuracy
 def clear_outputs(out: Path) -> None:
     """A fresh run's start in a folder that may hold another run (``--overwrite``): the files
     that run wrote and this one may not write again go (its summary, its checkpoint, which a
-    stop must not leave to be resumed, and its figures: an EM run kept a FedAvg run's five).
+    stop must not leave to be resumed, and its figures: an EM run kept a FedAvg run's five; a
+    peer process starts its links.jsonl anew itself).
     Only now, once the run is built: an --overwrite refused for a bad schedule kept the old
     run whole. The metrics and config are rewritten at once; nothing else is touched."""
     for path in (out / "summary.json", out / CHECKPOINT_FILE,
@@ -186,6 +187,6 @@ def read_rows(path: Path) -> list[dict]:
 
 
 def dump_yaml(data: dict) -> str:
-    import yaml
+    from topologies.spec import dump_yaml
 
-    return yaml.safe_dump(data, sort_keys=False)
+    return dump_yaml(data)

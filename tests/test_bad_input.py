@@ -132,19 +132,32 @@ def test_keys_no_part_of_the_run_reads_are_refused(tmp_path, capsys, sets, patte
 @pytest.mark.parametrize(
     ("sets", "pattern"),
     [
-        (["aggregation=uniform"], r"'aggregation' is set but 'fedem_em' does not read it"),
-        (["eval.finetune_epochs=2"], r"'eval.finetune_epochs' is set but 'fedem_em'"),
-        (["eval.unseen_em=one_step"], r"'eval.unseen_em' is set but 'fedem_em'"),
+        (
+            ["aggregation=uniform"],
+            r"'aggregation' is 'uniform' but 'fedem_em' does not read "
+            r"it \(it is for the hub's average",
+        ),
+        (["eval.finetune_epochs=2"], r"'eval.finetune_epochs' is 2 but 'fedem_em'"),
+        (
+            ["eval.unseen_em=one_step"],
+            r"'eval.unseen_em' is 'one_step' but 'fedem_em' .* "
+            r"unseen clients: fedem, dfedem\)$",
+        ),
         (["expfam.k_in=3"], r"'expfam.k_in' is 3 but this run does not read it \(it is for VR"),
         (["expfam.pca=5"], r"'expfam.pca' is 5 .* for expfam.data fashion_mnist\)$"),
         (["expfam.rank=3"], r"'expfam.rank' is 3 .* \(it is for expfam.model imputation\)$"),
     ],
 )
 def test_keys_an_em_run_does_not_read_are_refused(tmp_path, capsys, sets, pattern):
-    """Each gave the EM run's numbers to the bit, the key unheeded."""
+    """Each gave the EM run's numbers to the bit, the key unheeded. Set to what the run does
+    anyway (no fine-tuning), a key passes: a sweep may set it for every config."""
     argv = ["run", str(ROOT / "configs/expfam/gmm2d_fedem.yaml"), "--set", "rounds=1", "--out",
             str(tmp_path)]  # fmt: skip
     _one_line_error(capsys, argv + [x for s in sets for x in ("--set", s)], pattern)
+    from gossip_pfl.config import load_config
+
+    for noop in ("eval.finetune_epochs=0", "aggregation=size", "eval.unseen_em=converge"):
+        load_config(ROOT / "configs/expfam/gmm2d_fedem.yaml", [noop])
 
 
 def test_a_run_made_before_the_unread_keys_check_resumes(tmp_path, monkeypatch):

@@ -125,6 +125,19 @@ def test_another_runs_folder_is_kept_unless_overwrite(tmp_path, capsys):
     assert main(["run", str(cfg), "--out", str(out), "--quiet", "--overwrite", "--no-plots"]) == 0
 
 
+@pytest.mark.parametrize("folder", ["1e-3", "100", "yes"])
+def test_an_out_folder_named_like_a_number_runs_and_resumes(folder, tmp_path, monkeypatch):
+    """--out went into the config as YAML text: a folder named 1e-3 (a learning-rate sweep's),
+    100 or yes was a number or a boolean, 'must be str'; the saved config reads back as it
+    was written (its out quoted)."""
+    monkeypatch.chdir(tmp_path)
+    cfg = write_cfg(tmp_path, checkpoint_every=1)
+    assert main(["run", str(cfg), "--out", folder, "--quiet", "--no-plots"]) == 0
+    assert yaml.safe_load((tmp_path / folder / "config.yaml").read_text())["out"] == folder
+    assert main(["run", "--resume", folder, "--set", "rounds=4", "--quiet", "--no-plots"]) == 0
+    assert json.loads((tmp_path / folder / "summary.json").read_text())["rounds"] == 4
+
+
 def test_overwrite_replaces_the_old_runs_files_once_the_new_run_is_built(tmp_path, capsys):
     """An --overwrite refused for a bad schedule (found once the run is built) keeps the old
     run whole, its checkpoint too (it was deleted first, and a resume then said there was

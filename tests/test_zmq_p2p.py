@@ -524,6 +524,20 @@ def test_a_server_schedule_keeps_the_peers_average(tmp_path, capsys):
     assert "consensus_distance" not in json.loads((tmp_path / "run" / "summary.json").read_text())
 
 
+def test_a_peer_process_run_again_with_overwrite_starts_its_links_anew(tmp_path):
+    """links.jsonl is appended to (a restart adds to it): a fresh run with --overwrite kept the
+    old run's exchanges, and merge counted both runs'. One process (in this one) of one ring."""
+    cfg = _config(tmp_path)
+    peers = tmp_path / "peers.yaml"
+    peers.write_text(yaml.safe_dump(_ports(1)))
+    args = ["--peers", str(peers), "--id", "0", "--quiet"]
+    assert main(["peer", str(cfg), *args, "--set", "rounds=6"]) == 0
+    links = tmp_path / "run" / "peers" / "0" / "links.jsonl"  # the process's own folder
+    assert len(links.read_text().splitlines()) == 6
+    assert main(["peer", str(cfg), *args, "--set", "rounds=2", "--overwrite"]) == 0
+    assert [json.loads(r)["round"] for r in links.read_text().splitlines()] == [0, 1]
+
+
 def test_a_peer_without_test_samples_is_left_out_of_its_process_mean(tmp_path):
     """A process's progress figure (its row's and summary's ``test_accuracy``) is the mean over
     its peers that have test samples, as the merged run's is: a peer without any counted 0."""

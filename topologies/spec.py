@@ -422,13 +422,19 @@ class _UniqueKeyLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+class _Dumper(yaml.SafeDumper):
+    """SafeDumper that quotes the strings :func:`load_yaml` would read as numbers."""
+
+
 # YAML 1.1 reads a number written 1e-3 (no dot) as a string, YAML 1.2 and people as a number
-# (--set data.alpha=1e-1 was "must be a number (got '1e-1')")
-_UniqueKeyLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
-    list("-+0123456789"),
-)
+# (--set data.alpha=1e-1 was "must be a number (got '1e-1')"); the dumper then quotes a string
+# '1e-3', so that what a run writes reads back the same
+for _cls in (_UniqueKeyLoader, _Dumper):
+    _cls.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
 
 
 def load_yaml(text: str):
@@ -438,6 +444,15 @@ def load_yaml(text: str):
     {'p': 0.5}
     """
     return yaml.load(text, Loader=_UniqueKeyLoader)
+
+
+def dump_yaml(data) -> str:
+    """``data`` as YAML that :func:`load_yaml` reads back the same (keys in their order).
+
+    >>> dump_yaml({"out": "1e-3", "lr": 0.001})
+    "out: '1e-3'\nlr: 0.001\n"
+    """
+    return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
 
 
 def read_mapping(path: str | Path, what: str = "file") -> dict:
