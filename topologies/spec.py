@@ -449,8 +449,9 @@ def load_yaml(text: str):
 def dump_yaml(data) -> str:
     """``data`` as YAML that :func:`load_yaml` reads back the same (keys in their order).
 
-    >>> dump_yaml({"out": "1e-3", "lr": 0.001})
-    "out: '1e-3'\nlr: 0.001\n"
+    >>> print(dump_yaml({"out": "1e-3", "lr": 0.001}), end="")
+    out: '1e-3'
+    lr: 0.001
     """
     return yaml.dump(data, Dumper=_Dumper, sort_keys=False)
 
