@@ -107,6 +107,17 @@ class RoundLoop:
                 f"{where}: the checkpoint was made with a different config "
                 f"(keys differ: {', '.join(diffs)}; the checkpoint's: {was})"
             )
+        decay, rounds = list(self.cfg.algorithm.lr_decay), saved.get("rounds")
+        if decay and isinstance(rounds, int) and rounds != self.cfg.rounds:
+            # fractions of the run: a longer run moves its decay points, rounds done included
+            # (4 rounds resumed to 6 took the step back up 10x at round 5, silently)
+            at = lambda r: ", ".join(f"{f * r:g}" for f in decay)  # noqa: E731
+            raise GossipError(
+                f"{where}: algorithm.lr_decay {decay} is in fractions of the run, so resuming "
+                f"its {rounds} rounds as rounds={self.cfg.rounds} would move the decay from "
+                f"rounds {at(rounds)} to {at(self.cfg.rounds)}: resume with rounds={rounds}, "
+                f"or start a run of {self.cfg.rounds} rounds"
+            )
 
     def progress_fields(self, row: dict) -> dict[str, str]:
         """The progress line's figures from a metrics row (a workload may show others)."""

@@ -138,6 +138,24 @@ def test_an_out_folder_named_like_a_number_runs_and_resumes(folder, tmp_path, mo
     assert json.loads((tmp_path / folder / "summary.json").read_text())["rounds"] == 4
 
 
+def test_a_resume_that_would_move_the_lr_decay_is_refused(tmp_path, capsys):
+    """lr_decay is in fractions of the run: 4 rounds resumed as 6 took the decay from rounds
+    2 and 3 to 3 and 4.5 (the step went back up 10x at round 5) and gave neither run's
+    numbers, unsaid. Without a decay the longer resume goes on."""
+    algorithm = {**SMALL["algorithm"], "lr_decay": [0.5, 0.75]}
+    cfg, out = write_cfg(tmp_path, rounds=4, algorithm=algorithm), tmp_path / "run"
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--no-plots"]) == 0
+    capsys.readouterr()
+    says = (
+        "algorithm.lr_decay [0.5, 0.75] is in fractions of the run, so resuming its 4 "
+        "rounds as rounds=6 would move the decay from rounds 2, 3 to 3, 4.5"
+    )
+    one_line_error(capsys, ["run", "--resume", str(out), "--set", "rounds=6", "--quiet"], says)
+    plain = write_cfg(tmp_path, rounds=4)
+    assert main(["run", str(plain), "--out", str(out), "--quiet", "--no-plots", "--overwrite"]) == 0
+    assert main(["run", "--resume", str(out), "--set", "rounds=6", "--quiet", "--no-plots"]) == 0
+
+
 def test_overwrite_replaces_the_old_runs_files_once_the_new_run_is_built(tmp_path, capsys):
     """An --overwrite refused for a bad schedule (found once the run is built) keeps the old
     run whole, its checkpoint too (it was deleted first, and a resume then said there was
