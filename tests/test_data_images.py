@@ -199,3 +199,28 @@ def test_a_pickle_naming_a_module_that_is_not_there_is_one_line(tmp_path):
         (folder / name).write_bytes(b"\x80\x02cnumpy.core.multiarruy\n_reconstruct\nq\x00.")
     with pytest.raises(GossipError, match="cannot unpickle .*ModuleNotFoundError"):
         images.load_cifar100(tmp_path)
+
+
+@pytest.mark.parametrize("bad", ["float_images", "int16_images", "float_labels", "test_32x32"])
+def test_fashion_mnist_files_of_other_types_or_shapes_are_refused(tmp_path, bad):
+    """IDX files of floats or wider integers were divided by 255 or truncated (pixels of
+    0..0.004, labels 0.7 -> 0) and run, unsaid; test images of another size than the
+    training ones were a traceback where the splits were joined."""
+    img = np.arange(4 * 28 * 28, dtype=np.uint8).reshape(4, 28, 28)
+    lab = np.arange(4, dtype=np.uint8)
+    files = {"train-images-idx3-ubyte": img, "train-labels-idx1-ubyte": lab,
+             "t10k-images-idx3-ubyte": img, "t10k-labels-idx1-ubyte": lab}  # fmt: skip
+    changed, says = {
+        "float_images": ("train-images-idx3-ubyte", "holds float32 values"),
+        "int16_images": ("t10k-images-idx3-ubyte", "holds int16 values"),
+        "float_labels": ("train-labels-idx1-ubyte", "holds float64 values"),
+        "test_32x32": ("t10k-images-idx3-ubyte", r"of \(28, 28\) but .* of \(32, 32\)"),
+    }[bad]
+    files[changed] = {
+        "float_images": (img / 255).astype(np.float32), "int16_images": img.astype(">i2"),
+        "float_labels": lab + 0.7, "test_32x32": np.zeros((4, 32, 32), np.uint8),
+    }[bad]  # fmt: skip
+    for name, a in files.items():
+        images.write_idx(tmp_path / name, a)
+    with pytest.raises(GossipError, match=says):
+        images.load_fashion_mnist(tmp_path)

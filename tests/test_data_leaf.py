@@ -110,6 +110,16 @@ def test_missing_and_bad_files(tmp_path):
             {"u": {"x": ["ab"], "y": ["c"]}, "v": {"x": ["abc"], "y": ["d"]}},
             r"users' samples differ in shape: \[\(2,\), \(3,\)\]",
         ),
+        # 1,568 pixels a sample were cut into two images each, the labels no longer theirs
+        (
+            "femnist",
+            {"u": {"x": [[0.5] * 1568] * 2, "y": [1, 2]}},
+            "samples of 1568 pixels, "
+            r"expected 784 \(28 x 28\)",
+        ),
+        ("femnist", {"u": {"x": [[0.5] * 392] * 2, "y": [1, 2]}}, "samples of 392 pixels"),
+        ("femnist", {"u": {"x": [[255.0] * 784], "y": [1]}}, r"pixels span 255..255; LEAF's"),
+        ("shakespeare", {"u": {"x": [""], "y": ["a"]}}, "input strings are empty"),
     ],
 )
 def test_malformed_leaf_files_are_one_line_errors(tmp_path, kind, users, message):
@@ -166,3 +176,21 @@ def test_writer_fraction_keeps_a_seeded_share_of_the_writers(kind, tmp_path):
         assert len(a) == len(set(a)) == n and set(a) <= set(sizes)
         assert kept(fraction, 1) == a
         assert set(kept(fraction, 2)) != set(a)
+
+
+def test_splits_of_other_shapes_and_users_given_twice_are_refused(tmp_path):
+    """Shakespeare lines of 80 characters in train and 40 in test ran (with leaf_split) on
+    inputs of another length, or ended in a traceback; a user given twice in one file kept
+    only the second's samples; a file nested past Python's recursion was a traceback."""
+    _write(tmp_path, "train", "a.json", {"u": {"x": ["a" * 80], "y": ["b"]}})
+    _write(tmp_path, "test", "a.json", {"u": {"x": ["a" * 40], "y": ["b"]}})
+    with pytest.raises(GossipError, match=r"train samples have shape \(80,\) but test ones "
+                                          r"\(40,\)"):  # fmt: skip
+        leaf.load_leaf(tmp_path, "shakespeare")
+    text = '{"user_data": {"u": {"x": ["ab"], "y": ["c"]}, "u": {"x": [], "y": []}}}'
+    (tmp_path / "test" / "a.json").write_text(text)
+    with pytest.raises(GossipError, match=r"a.json \(key 'u' given twice in one object\)"):
+        leaf.load_leaf(tmp_path, "shakespeare")
+    (tmp_path / "test" / "a.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(GossipError, match=r"cannot parse .*a.json"):
+        leaf.load_leaf(tmp_path, "shakespeare")

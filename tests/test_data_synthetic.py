@@ -78,14 +78,36 @@ def test_cache_round_trip(tmp_path):
 def test_cache_written_by_another_run_meanwhile_is_kept(tmp_path):
     """Two runs that generate the same data at once: the second to store it keeps the
     first's folder and raises nothing."""
-    from gossip_pfl.data.synthetic import ARRAYS, _load, _save
+    from gossip_pfl.data.synthetic import ARRAYS, _save
 
     path = tmp_path / "synthetic-x"
     first = {k: np.full(3, 1.0) for k in ARRAYS}
     _save(path, first)
     _save(path, {k: v * 2 for k, v in first.items()})
-    np.testing.assert_array_equal(_load(path)["x_test"], first["x_test"])
+    np.testing.assert_array_equal(np.load(path / "x_test.npy"), first["x_test"])
     assert [p.name for p in tmp_path.iterdir()] == ["synthetic-x"]
+
+
+@pytest.mark.parametrize("damage", ["another_runs_test", "sizes_that_do_not_add_up",
+                                    "float_labels"])  # fmt: skip
+def test_a_cache_of_other_shapes_is_regenerated(tmp_path, damage):
+    """Files of another run's shapes, or sizes that no longer add up, were read and cut into
+    clients wrongly (a client's test set was another's samples), unsaid: the cache is
+    damaged, so the data is generated again, the same as without a cache."""
+    make_synthetic(**SMALL, cache_dir=tmp_path)
+    (folder,) = tmp_path.glob("synthetic-*")
+    if damage == "another_runs_test":
+        other = make_synthetic(**{**SMALL, "n_test": SMALL["n_test"] * 2}, cache=False)
+        np.save(folder / "x_test.npy", np.concatenate([c.x_test for c in other.clients]))
+    elif damage == "sizes_that_do_not_add_up":
+        n = np.load(folder / "n_total.npy")
+        np.save(folder / "n_total.npy", n + np.eye(len(n), dtype=n.dtype)[-1] * 5)
+    else:
+        np.save(folder / "y_fit.npy", np.load(folder / "y_fit.npy") + 0.5)
+    with pytest.warns(UserWarning, match=r"cache .* is damaged \(.*\.npy (has shape|holds)"):
+        ds = make_synthetic(**SMALL, cache_dir=tmp_path)
+    for u, v in zip(_arrays(ds), _arrays(make_synthetic(**SMALL, cache=False))):
+        np.testing.assert_array_equal(u, v)
 
 
 def test_unwritable_cache_warns_and_the_data_is_used(tmp_path):

@@ -155,6 +155,10 @@ def _idx_pair(dataset: str, images: Path, labels: Path) -> tuple[np.ndarray, np.
         raise GossipError(
             f"{dataset}: {images.name} holds {len(x)} images but {labels.name} {len(y)} labels"
         )
+    for path, a in ((images, x), (labels, y)):  # (float pixels were divided by 255 too, and
+        if a.dtype != np.uint8:  # float labels truncated: a run of wrong data, unsaid)
+            raise GossipError(f"{dataset}: {path} holds {a.dtype} values; IDX image and label "
+                              "files hold unsigned bytes (type 0x08)")  # fmt: skip
     x = x.astype(np.float32)[:, None] / np.float32(255.0)
     return x, y.astype(np.int64)
 
@@ -175,6 +179,9 @@ def load_fashion_mnist(root: str | os.PathLike | None = None) -> CentralData:
     files = _find_files("fashion_mnist", [folder], names, hint)
     x_train, y_train = _idx_pair("fashion_mnist", files[0], files[1])
     x_test, y_test = _idx_pair("fashion_mnist", files[2], files[3])
+    if x_train.shape[1:] != x_test.shape[1:]:  # (a traceback where the splits were joined)
+        raise GossipError(f"fashion_mnist: {files[0]} holds images of {x_train.shape[2:]} but "
+                          f"{files[2]} of {x_test.shape[2:]}")  # fmt: skip
     return _checked(CentralData("fashion_mnist", x_train, y_train, x_test, y_test, 10))
 
 

@@ -73,6 +73,9 @@ def load_leaf(root: str | os.PathLike, kind: str) -> LeafData:
     convert = _femnist_arrays if kind == "femnist" else _shakespeare_arrays
     train = _pool(kind, train_raw, number, convert)
     test = _pool(kind, test_raw, number, convert)
+    if train.x.shape[1:] != test.x.shape[1:]:  # (a traceback, or test inputs of another length)
+        raise GossipError(f"{kind}: train samples have shape {train.x.shape[1:]} but test ones "
+                          f"{test.x.shape[1:]} ({root / 'train'}, {root / 'test'})")  # fmt: skip
     if kind == "femnist":
         return LeafData(kind, users, train, test, (1, 28, 28), 62)
     seq_len = train.x.shape[1] if len(train.x) else test.x.shape[1]
@@ -100,9 +103,9 @@ def _read_split(kind: str, folder: Path) -> dict[str, dict]:
 def _read_file(kind: str, path: Path) -> dict[str, dict]:
     try:
         with open(path, encoding="utf-8") as f:
-            content = json.load(f)
-    except (OSError, ValueError) as e:
-        raise GossipError(f"{kind}: cannot parse {path} ({e})") from e
+            content = json.load(f, object_pairs_hook=_unique_keys)
+    except (OSError, ValueError, RecursionError) as e:
+        raise GossipError(f"{kind}: cannot parse {path} ({e})") from None
     if not isinstance(content, dict) or not isinstance(content.get("user_data"), dict):
         raise GossipError(f"{kind}: {path} has no 'user_data' object; is it a LEAF JSON file?")
     user_data = content["user_data"]
@@ -116,6 +119,16 @@ def _read_file(kind: str, path: Path) -> dict[str, dict]:
                 f"{kind}: {path}: user {user!r} has {len(data['x'])} x but {len(data['y'])} y"
             )
     return user_data
+
+
+def _unique_keys(pairs: list[tuple]) -> dict:
+    """A JSON object whose keys are distinct (json keeps the last of a user given twice, and
+    the first's samples were dropped, unsaid)."""
+    keys = [k for k, _ in pairs]
+    if len(set(keys)) < len(keys):
+        twice = next(k for k in keys if keys.count(k) > 1)
+        raise ValueError(f"key {twice!r} given twice in one object")
+    return dict(pairs)
 
 
 def _pool(kind: str, raw: dict[str, dict], number: dict[str, int], convert) -> LeafSplit:
@@ -139,12 +152,20 @@ def _pool(kind: str, raw: dict[str, dict], number: dict[str, int], convert) -> L
 
 def _femnist_arrays(kind: str, user: str, data: dict) -> tuple[np.ndarray, np.ndarray]:
     try:
-        x = np.asarray(data["x"], dtype=np.float32).reshape(-1, 1, 28, 28)
+        x = np.asarray(data["x"], dtype=np.float32)
         labels = np.asarray(data["y"], dtype=np.float64).reshape(-1)
     except (ValueError, TypeError) as e:  # TypeError: a sample that is a mapping
         raise GossipError(f"{kind}: user {user!r}: samples are not 784-pixel images ({e})") from e
+    if len(x) != len(labels) or x.size != 784 * len(labels):  # (1,568 pixels a sample were
+        per = x.size / max(len(x), 1)  # cut into two images, the labels no longer theirs)
+        raise GossipError(f"{kind}: user {user!r}: samples of {per:g} pixels, expected 784 "
+                          "(28 x 28)")  # fmt: skip
+    x = x.reshape(-1, 1, 28, 28)
     if not np.isfinite(x).all():  # (null pixels: NaN, then "lower algorithm.lr")
         raise GossipError(f"{kind}: user {user!r}: pixels that are not numbers (null, NaN)")
+    if len(x) and (x.min() < 0 or x.max() > 1):  # (0..255 trained on another scale, unsaid)
+        raise GossipError(f"{kind}: user {user!r}: pixels span {x.min():g}..{x.max():g}; "
+                          "LEAF's FEMNIST pixels are in [0, 1]")  # fmt: skip
     if (labels != np.round(labels)).any():  # (1.7 was class 1)
         raise GossipError(f"{kind}: user {user!r}: labels that are not whole numbers")
     y = labels.astype(np.int64)
@@ -163,6 +184,8 @@ def _shakespeare_arrays(kind: str, user: str, data: dict) -> tuple[np.ndarray, n
     lengths = {len(s) for s in data["x"]}
     if len(lengths) > 1:
         raise GossipError(f"{kind}: user {user!r}: input strings have lengths {sorted(lengths)}")
+    if lengths == {0}:  # (the LSTM's "sequence length to be larger than 0" traceback)
+        raise GossipError(f"{kind}: user {user!r}: input strings are empty")
     x = np.array([encode(s, user) for s in data["x"]], dtype=np.int64).reshape(len(data["x"]), -1)
     y = np.array([encode(c, user)[0] for c in data["y"]], dtype=np.int64)
     return x, y

@@ -105,7 +105,7 @@ def make_synthetic(
     _validate(args)
     path = _cache_path(args, cache_dir) if cache else None
     cached = path is not None and path.exists()
-    arrays = _load(path) if cached else None
+    arrays = _load(path, args) if cached else None
     if arrays is None:
         _check_memory(args)
         arrays = _generate(**args)
@@ -317,13 +317,32 @@ def _save(
             old.unlink(missing_ok=True)
 
 
-def _load(path: Path) -> dict[str, np.ndarray] | None:
+def _load(path: Path, args: dict) -> dict[str, np.ndarray] | None:
     """The cached arrays, mapped copy-on-write (pages are read when first used, shared with
     other runs and never written back); None when the cache is damaged (a file cut short by
-    a full disk or a killed copy, or missing): it is only a cache, so the data is generated
-    again and the cache rewritten."""
+    a full disk or a killed copy, missing, or of shapes or types that are not these
+    arguments' data): it is only a cache, so the data is generated again and the cache
+    rewritten."""
     try:
-        return {k: np.load(path / f"{k}.npy", mmap_mode="c") for k in ARRAYS}
+        arrays = {k: np.load(path / f"{k}.npy", mmap_mode="c") for k in ARRAYS}
+        _check_shapes(arrays, args)
+        return arrays
     except (OSError, ValueError, EOFError) as e:
         warnings.warn(f"synthetic: cache {path} is damaged ({e}); regenerating", stacklevel=3)
         return None
+
+
+def _check_shapes(a: dict[str, np.ndarray], args: dict) -> None:
+    """The arrays' shapes and kinds are those :func:`_generate` makes for ``args`` (another
+    run's test file, or sizes that do not add up, cut the clients wrongly and silently)."""
+    T, d, M, n_test = args["n_clients"], args["dim"], args["n_components"], args["n_test"]
+    fit = int(a["n_total"].sum()) if a["n_total"].shape == (T,) else -1
+    want = {"theta": (M, d), "pi": (T, M), "n_total": (T,), "n_val": (T,), "x_fit": (fit, d),
+            "y_fit": (fit,), "z_fit": (fit,), "x_test": (T * n_test, d), "y_test": (T * n_test,),
+            "z_test": (T * n_test,)}  # fmt: skip
+    for key, shape in want.items():
+        if a[key].shape != shape:
+            raise ValueError(f"{key}.npy has shape {a[key].shape}, expected {shape}")
+    for key in ("n_total", "n_val", "y_fit", "y_test", "unseen"):
+        if a[key].dtype.kind not in "iu":
+            raise ValueError(f"{key}.npy holds {a[key].dtype}, not integers")
