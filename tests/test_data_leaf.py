@@ -120,6 +120,7 @@ def test_missing_and_bad_files(tmp_path):
         ("femnist", {"u": {"x": [[0.5] * 392] * 2, "y": [1, 2]}}, "samples of 392 pixels"),
         ("femnist", {"u": {"x": [[255.0] * 784], "y": [1]}}, r"pixels span 255..255; LEAF's"),
         ("shakespeare", {"u": {"x": [""], "y": ["a"]}}, "input strings are empty"),
+        ("femnist", {"u": {"x": [[0.5] * 784], "y": [1e30]}}, r"labels span 1e\+30..1e\+30"),
     ],
 )
 def test_malformed_leaf_files_are_one_line_errors(tmp_path, kind, users, message):

@@ -168,12 +168,12 @@ def _femnist_arrays(kind: str, user: str, data: dict) -> tuple[np.ndarray, np.nd
                           "LEAF's FEMNIST pixels are in [0, 1]")  # fmt: skip
     if (labels != np.round(labels)).any():  # (1.7 was class 1)
         raise GossipError(f"{kind}: user {user!r}: labels that are not whole numbers")
-    y = labels.astype(np.int64)
-    if len(y) and (y.min() < 0 or y.max() >= 62):
-        raise GossipError(
-            f"{kind}: user {user!r}: labels span {y.min()}..{y.max()}, expected 0..61"
+    if len(labels) and (labels.min() < 0 or labels.max() >= 62):  # (before the cast: 1e30
+        raise GossipError(  # was numpy's warning, then a label of -2^63)
+            f"{kind}: user {user!r}: labels span {labels.min():g}..{labels.max():g}, "
+            "expected 0..61"
         )
-    return x, y
+    return x, labels.astype(np.int64)
 
 
 def _shakespeare_arrays(kind: str, user: str, data: dict) -> tuple[np.ndarray, np.ndarray]:
