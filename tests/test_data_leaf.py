@@ -127,8 +127,10 @@ def test_malformed_leaf_files_are_one_line_errors(tmp_path, kind, users, message
     for split in ("train", "test"):
         (tmp_path / split).mkdir()
         (tmp_path / split / "a.json").write_text(json.dumps({"user_data": users}))
-    with pytest.raises(GossipError, match=message):
+    with pytest.raises(GossipError, match=message) as err:
         leaf.load_leaf(tmp_path, kind)
+    if "user 'u'" in str(err.value):  # a user's samples: the file they are in is named too
+        assert str(tmp_path / "train" / "a.json") in str(err.value)
 
 
 def test_a_user_without_samples_in_a_split_is_left_out(tmp_path):

@@ -95,8 +95,9 @@ def _read_split(kind: str, folder: Path) -> dict[str, dict]:
         for user, data in _read_file(kind, path).items():
             if user in merged:
                 merged[user] = {k: merged[user][k] + data[k] for k in ("x", "y")}
+                merged[user]["files"] = [*merged[user]["files"], str(path)]
             else:
-                merged[user] = data
+                merged[user] = {**data, "files": [str(path)]}
     return merged
 
 
@@ -138,7 +139,10 @@ def _pool(kind: str, raw: dict[str, dict], number: dict[str, int], convert) -> L
     for user, data in raw.items():
         if not data["x"]:  # (no sample in this split: nothing to add, and no shape to give)
             continue
-        x, y = convert(kind, user, data)
+        try:
+            x, y = convert(kind, user, data)
+        except GossipError as err:  # (named the user, not the files it is in)
+            raise GossipError(f"{err} (in {', '.join(data['files'])})") from None
         xs.append(x)
         ys.append(y)
         ws.append(np.full(len(y), number[user], dtype=np.int64))
