@@ -94,8 +94,9 @@ def _read_split(kind: str, folder: Path) -> dict[str, dict]:
     for path in files:
         for user, data in _read_file(kind, path).items():
             if user in merged:
-                merged[user] = {k: merged[user][k] + data[k] for k in ("x", "y")}
-                merged[user]["files"] = [*merged[user]["files"], str(path)]
+                old = merged[user]
+                merged[user] = {"x": old["x"] + data["x"], "y": old["y"] + data["y"],
+                                "files": [*old["files"], str(path)]}  # fmt: skip
             else:
                 merged[user] = {**data, "files": [str(path)]}
     return merged
