@@ -175,8 +175,7 @@ def _femnist_arrays(kind: str, user: str, data: dict) -> tuple[np.ndarray, np.nd
         raise GossipError(f"{kind}: user {user!r}: labels that are not whole numbers")
     if len(labels) and (labels.min() < 0 or labels.max() >= 62):  # (before the cast: 1e30
         raise GossipError(  # was numpy's warning, then a label of -2^63)
-            f"{kind}: user {user!r}: labels span {labels.min():g}..{labels.max():g}, "
-            "expected 0..61"
+            f"{kind}: user {user!r}: labels span {labels.min():g}..{labels.max():g}, expected 0..61"
         )
     return x, labels.astype(np.int64)
 
