@@ -297,24 +297,31 @@ def _kind(value: object) -> str:
     return f"an {name}" if name[:1] in "aeiou" else f"a {name}"
 
 
+#: what a resume may change: where to write, how long to go on, how often to save, and how to
+#: run (device, backend, batching, call sizes: like the number of ranks, these change float
+#: rounding, not the algorithm)
+RESUMABLE = ("out", "rounds", "checkpoint_every", "runtime")
+
+
 def config_differences(
-    saved: dict, current: dict, before: dict | None = None, prefix: str = ""
+    saved: dict,
+    current: dict,
+    before: dict | None = None,
+    prefix: str = "",
+    skip: tuple[str, ...] = RESUMABLE,
 ) -> list[str]:
-    """Dotted keys whose values differ between two resolved configs (ignoring 'out');
-    ``before`` gives the value of a key the saved config predates."""
+    """Dotted keys whose values differ between two resolved configs, but for those in
+    ``skip`` (and under them); ``before`` gives the value of a key the saved config predates."""
     before = before or {}
     keys = sorted(set(saved) | set(current))
     diffs = []
     for key in keys:
         path = f"{prefix}{key}"
-        if path in ("out", "rounds", "checkpoint_every") or path.startswith("runtime."):
-            # where to write, how long to go on, how often to save, and how to run (device,
-            # backend, batching, call sizes: like the number of ranks, these change float
-            # rounding, not the algorithm) may change
+        if path in skip or path.split(".")[0] in skip:
             continue
         a, b = saved.get(key, before.get(path)), current.get(key)
         if isinstance(a, dict) and isinstance(b, dict):
-            diffs += config_differences(a, b, before, f"{path}.")
+            diffs += config_differences(a, b, before, f"{path}.", skip)
         elif a != b:
             diffs.append(path)
     return diffs

@@ -1465,9 +1465,39 @@ def run(cfg: RunConfig, dataset=None, comm=None, log=print, resume: bool = False
     cls = workload_class(get_algorithm(cfg.algorithm.name).workload)
     comm = comm or comm_from_config(rt, cls.comm_device(rt))
     try:  # a config error found while building the workload must not leave the group alive
+        check_same_config(comm, cfg)
         return cls(cfg, dataset, comm, log).run(resume=resume)
     finally:
         comm.close()  # a no-op for one process
+
+
+def check_same_config(comm, cfg: RunConfig) -> None:
+    """Every rank runs rank 0's config (where it writes and how it runs aside). Each node
+    reads its own copy of the config: one rank's --set algorithm.lr=0.3 trained and reported
+    a mix of two runs, exit 0; another rounds aborted a rank inside Gloo. One all-reduce of
+    each rank's digest; the configs themselves travel only when they differ."""
+    if comm.world_size == 1 or not comm.collectives:
+        return
+    import hashlib
+    import json
+
+    mine = to_dict(cfg)
+    text = json.dumps({k: v for k, v in mine.items() if k not in ("out", "runtime")},
+                      sort_keys=True, default=str)  # fmt: skip
+    digests = torch.zeros(comm.world_size, dtype=torch.int64, device=comm.device)
+    digests[comm.rank] = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
+    digests = comm.all_reduce_sum(digests).cpu()
+    other = next((k for k in range(comm.world_size) if digests[k] != digests[0]), None)
+    if other is None:
+        return
+    import torch.distributed as dist
+
+    configs = [None] * comm.world_size
+    dist.all_gather_object(configs, mine)
+    keys = checkpoint.config_differences(configs[0], configs[other], skip=("out", "runtime"))
+    raise GossipError(f"rank {other} was started with another config than rank 0's (keys "
+                      f"differ: {', '.join(keys)}); start every rank with the same config and "
+                      "--set")  # fmt: skip
 
 
 __all__ = ["Trainer", "run", "build_schedule", "WORKLOADS", "workload_class"]

@@ -375,6 +375,37 @@ def test_a_failed_write_is_a_one_line_error_on_every_rank(tmp_path):
     assert all("\n" not in m for m in msgs)
 
 
+def _run_with_this_ranks_lr(base: dict) -> str:
+    """Rank r runs ``base`` with algorithm.lr 0.1 + 0.2 r (as a node whose copy of the config
+    differs would)."""
+    import os
+
+    from gossip_pfl import train
+
+    rank = int(os.environ["RANK"])
+    cfg = load_config(base=base, overrides=[f"algorithm.lr={0.1 + 0.2 * rank}"])
+    try:
+        train.run(cfg, dataset=toy_dataset(8), log=quiet)
+    except GossipError as err:
+        return str(err)
+    return "no error"
+
+
+def test_ranks_started_with_different_configs_stop_at_once(tmp_path):
+    """A rank with another algorithm.lr trained, and the run reported a mix of two runs with
+    exit 0: every rank stops before any data is built, naming the rank and the keys."""
+    from _helpers import run_ranks
+
+    base = {"seed": 1, "rounds": 2, "algorithm": {"name": "fedavg", "batch_size": 16},
+            "runtime": {"device": "cpu", "timeout_s": 30},
+            "out": str(tmp_path / "out")}  # fmt: skip
+    results = run_ranks(2, _run_with_this_ranks_lr, base)
+    says = ("rank 1 was started with another config than rank 0's (keys differ: algorithm.lr); "
+            "start every rank with the same config and --set")
+    assert results == [("ok", says), ("ok", says)], results
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
 # ---- runtime.faults.ack_drop: lost acknowledgements ---------------------------------------------
 def _faults_of_a_peer_process(tmp: Path, monkeypatch, ack_drop: float):
     """The Faults that `gossip-pfl peer` hands its ZmqComm for runtime.faults.ack_drop (the
