@@ -400,8 +400,10 @@ def test_ranks_started_with_different_configs_stop_at_once(tmp_path):
             "runtime": {"device": "cpu", "timeout_s": 30},
             "out": str(tmp_path / "out")}  # fmt: skip
     results = run_ranks(2, _run_with_this_ranks_lr, base)
-    says = ("rank 1 was started with another config than rank 0's (keys differ: algorithm.lr); "
-            "start every rank with the same config and --set")
+    says = (
+        "rank 1 was started with another config than rank 0's (keys differ: algorithm.lr); "
+        "start every rank with the same config and --set"
+    )
     assert results == [("ok", says), ("ok", says)], results
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
