@@ -324,6 +324,7 @@ def merge(run_dir: str | Path) -> dict:
         for f in folders
     }
     algorithm, rounds_total = _run_config(folders[0] / "config.yaml")
+    _check_same_config(folders)
     rounds = sorted({r["round"] for rows in per_process.values() for r in rows})
     merged = []
     for rnd in rounds:
@@ -402,6 +403,19 @@ def _metrics_row(path: Path, row: dict) -> dict:
                                and all(_numbers(w, len(pi[0])) for w in pi)):  # fmt: skip
         raise GossipError(f"{where}: peer_pi is not {len(peers)} lists of mixture weights")
     return row
+
+
+def _check_same_config(folders: list[Path]) -> None:
+    """Every process ran process 0's config (where it wrote and how it ran aside): processes
+    started with different --set trained together and merged into one run's figures."""
+    from gossip_pfl.checkpoint import config_differences
+
+    first = read_yaml(folders[0] / "config.yaml")
+    for f in folders[1:]:
+        keys = config_differences(first, read_yaml(f / "config.yaml"), skip=("out", "runtime"))
+        if keys:
+            raise GossipError(f"merge: process {f.name} ran another config than process "
+                              f"{folders[0].name} (keys differ: {', '.join(keys)})")  # fmt: skip
 
 
 def _run_config(path: Path) -> tuple[str, int]:

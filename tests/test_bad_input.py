@@ -381,6 +381,20 @@ def test_merge_names_a_damaged_process_row(tmp_path, file, changes, says):
 
 
 @pytest.mark.filterwarnings("ignore:merge. no consensus distance")
+def test_merge_refuses_processes_that_ran_different_configs(tmp_path):
+    """Processes started with different --set trained together and merged into one run's
+    figures, exit 0: merge names the process and the keys (where each wrote aside)."""
+    run = _peer_run(tmp_path)
+    cfg = run / "peers" / "1" / "config.yaml"
+    cfg.write_text(cfg.read_text() + "out: elsewhere\n")
+    cli_peer.merge(run)  # (its own folder: no difference)
+    cfg.write_text("algorithm: {name: dfedem, lr: 0.3}\nrounds: 4\n")
+    with pytest.raises(GossipError, match=r"merge: process 1 ran another config than process 0 "
+                                          r"\(keys differ: algorithm.lr\)$"):  # fmt: skip
+        cli_peer.merge(run)
+
+
+@pytest.mark.filterwarnings("ignore:merge. no consensus distance")
 def test_merge_refuses_a_folder_for_a_metrics_file(tmp_path):
     """A folder where a process's metrics.jsonl should be read as no rows: the merge left that
     process's peers out and said nothing."""
