@@ -110,6 +110,6 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _is_rank0() -> bool:
-    import os
+    from gossip_pfl.runtime.comm import world_from_env
 
-    return int(os.environ.get("RANK", 0)) == 0
+    return world_from_env()[0] == 0

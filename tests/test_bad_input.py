@@ -587,3 +587,49 @@ def test_a_schedule_path_that_is_no_schedule_says_what_it_is(tmp_path, capsys, m
     argv = ["run", "configs/synthetic/dfedem.yaml", *SMALL, "--out", str(tmp_path / "run"),
             "--set", f"schedule={schedule.format(folder=tmp_path)}"]  # fmt: skip
     _one_line_error(capsys, argv, pattern)
+
+
+@pytest.mark.parametrize(
+    ("env", "says"),
+    [
+        ({"RANK": "1"}, r"RANK is set but WORLD_SIZE is not: start the ranks with torchrun"),
+        ({"WORLD_SIZE": "2"}, r"WORLD_SIZE is set but RANK is not"),
+        ({"RANK": "abc", "WORLD_SIZE": "2"}, r"RANK='abc' is not a whole number"),
+        ({"RANK": "0", "WORLD_SIZE": "1.5"}, r"WORLD_SIZE='1.5' is not a whole number"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, r"RANK=2 does not fit WORLD_SIZE=2 \(ranks are 0..1"),
+        ({"RANK": "-1", "WORLD_SIZE": "2"}, r"RANK=-1 does not fit WORLD_SIZE=2"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, r"RANK=0 does not fit WORLD_SIZE=0"),
+        ({"RANK": "0", "WORLD_SIZE": "2"}, r"WORLD_SIZE=2 needs MASTER_ADDR and a MASTER_PORT"),
+        ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "70000"},
+         r"MASTER_PORT in 1..65535 \(got 'h' and '70000'\)"),
+    ],
+)  # fmt: skip
+def test_a_launch_environment_that_cannot_be_a_group_is_one_line(env, says):
+    """Each was a traceback (torch's ValueError), a wait of twice the timeout (a rank no
+    group has), or a run of one process that printed nothing (RANK alone)."""
+    from gossip_pfl.runtime.comm import world_from_env
+
+    with pytest.raises(GossipError, match=says):
+        world_from_env(env)
+    assert world_from_env({}) == (0, 1)
+    ok = {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+    assert world_from_env(ok) == (1, 2)
+
+
+def test_a_rank_whose_group_never_forms_stops_within_the_timeout(tmp_path, capsys, monkeypatch):
+    """Rank 1 of 2 started alone: one line naming the address and the timeout after about
+    runtime.timeout_s (torch's store client tried twice: 2x the timeout, then a traceback)."""
+    import time
+
+    from gossip_pfl.cli_peer import free_ports
+
+    (port,) = free_ports(1)
+    for k, v in {"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    argv = ["run", str(ROOT / "configs/synthetic/fedavg.yaml"), *SMALL, "--out",
+            str(tmp_path / "run"), "--set", "runtime.timeout_s=2"]  # fmt: skip
+    start = time.monotonic()
+    _one_line_error(capsys, argv, rf"rank 1: could not join the 2 ranks' group at 127.0.0.1:"
+                                  rf"{port} within runtime.timeout_s = 2 s")  # fmt: skip
+    assert time.monotonic() - start < 2 * 2

@@ -239,9 +239,36 @@ def set_cuda_numerics(tf32: bool, deterministic: bool) -> None:
     torch.utils.deterministic.fill_uninitialized_memory = False
 
 
-def world_from_env() -> tuple[int, int]:
-    """(rank, world_size) as torchrun sets them; (0, 1) for a plain process."""
-    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+def world_from_env(env: dict | None = None) -> tuple[int, int]:
+    """(rank, world_size) as torchrun sets them; (0, 1) for a plain process. A launch
+    environment that cannot be a process group is a one-line error, at once (a RANK of 2 in a
+    world of 2, or of 1 alone, waited twice the timeout for a traceback; RANK without
+    WORLD_SIZE ran as one process and printed nothing)."""
+    env = os.environ if env is None else env
+    rank_s, world_s = env.get("RANK"), env.get("WORLD_SIZE")
+    if rank_s is None and world_s is None:
+        return 0, 1
+
+    def count(name: str, text: str | None) -> int:
+        if text is None:
+            other = "RANK" if name == "WORLD_SIZE" else "WORLD_SIZE"
+            raise GossipError(f"{other} is set but {name} is not: start the ranks with torchrun "
+                              f"(or unset {other} for one process)")  # fmt: skip
+        if not text.strip().lstrip("-").isdigit():
+            raise GossipError(f"{name}={text!r} is not a whole number")
+        return int(text)
+
+    world, rank = count("WORLD_SIZE", world_s), count("RANK", rank_s)
+    if world < 1 or not 0 <= rank < world:
+        raise GossipError(f"RANK={rank} does not fit WORLD_SIZE={world} (ranks are 0.."
+                          f"{world - 1}, and a world has at least one)")  # fmt: skip
+    if world > 1:
+        port = env.get("MASTER_PORT", "")
+        if not env.get("MASTER_ADDR") or not port.strip().isdigit() or not 0 < int(port) < 2**16:
+            raise GossipError(f"WORLD_SIZE={world} needs MASTER_ADDR and a MASTER_PORT in "
+                              f"1..65535 (got {env.get('MASTER_ADDR')!r} and {port!r}): torchrun "
+                              "sets them")  # fmt: skip
+    return rank, world
 
 
 _GROUPS = itertools.count()  # process groups made by this process, the same count on every rank
@@ -287,11 +314,21 @@ def init_comm(device: str = "auto", backend: str = "auto", timeout_s: float = 30
     # Each group's keys under their own prefix: a second run in the same job (a sweep under one
     # torchrun) would otherwise meet the first group's addresses in torchrun's store and try
     # to connect to ports closed with it (Gloo: "connection refused", now and then).
-    store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
-    store = dist.PrefixStore(f"gossip_pfl/group{next(_GROUPS)}", store)
-    dist.init_process_group(
-        backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs
-    )
+    where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    try:
+        # half the timeout: torch's store client tries twice (a missing rank took 2x)
+        half = datetime.timedelta(seconds=timeout_s / 2)
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=half))
+        store = dist.PrefixStore(f"gossip_pfl/group{next(_GROUPS)}", store)
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs
+        )
+    except (RuntimeError, ValueError) as err:  # (torch's DistError is a RuntimeError)
+        raise GossipError(
+            f"rank {rank}: could not join the {world} ranks' group at {where} "
+            f"within runtime.timeout_s = {timeout_s:g} s ({_first_line(err)}); "
+            "are all ranks started, and the address and port free?"
+        ) from None
     comm = TorchComm(dev, rank, world, backend)
     # NCCL: if the first operation of a group is a batched p2p call, all ranks must join it;
     # a small all_reduce first sets up the communicator on every rank.
