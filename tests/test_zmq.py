@@ -242,8 +242,11 @@ def test_bad_peers_tables(peers, message):
         ("0: 127.0.0.1:5000\n1: 127.0.0.1:5001\n1.0: 127.0.0.1:5002\n", "key 1.0 given twice"),
         ("0: 127.0.0.1:5000\n1.7: 127.0.0.1:5001\n", "rank id 1.7 is not an integer"),
         ("0: [127.0.0.1:5000\n", "malformed YAML"),
+        # docs/p2p.md's own example, unquoted, was this error without a hint
+        ("0: 127.0.0.1:5000\n1: [::1]:5001\n", r"line 2: malformed YAML .*; quote an IPv6 "
+                                                r"address: 4: '\[fd00::9\]:7000'$"),
     ],
-)
+)  # fmt: skip
 def test_bad_peers_files_name_the_file_and_line(tmp_path, text, message):
     f = tmp_path / "peers.yaml"
     f.write_text(text)

@@ -130,6 +130,8 @@ def read_peers(peers: str | Path | dict) -> dict[int, str]:
             raw = read_mapping(peers, "peers file")
         except TopologyError as err:
             msg = str(err)  # "peers file not found: ..." or "PATH line N: ..."
+            if "malformed YAML" in msg and "[" in Path(peers).read_text(errors="replace"):
+                msg += "; quote an IPv6 address: 4: '[fd00::9]:7000'"  # (YAML reads [ as a list)
             raise GossipError(msg if msg.startswith("peers") else f"peers file {msg}") from None
         except (OSError, UnicodeDecodeError) as err:
             raise GossipError(f"{where}: {getattr(err, 'strerror', None) or err}") from None
