@@ -448,7 +448,12 @@ class ZmqComm:
         shape = tuple(_DIM.unpack_from(head, _HEAD.size + i * _DIM.size)[0] for i in range(ndim))
         key, msg = (rnd, phase, kind, seq), _Msg(sender, _DTYPES[code], shape)
         if sender not in self.peers or sender == self.rank:
-            self._drop("unknown", key, msg, "not a rank of the peers table")
+            why = (
+                ("its own: two ids of the peers file reach this address (127.0.0.1 and localhost?)")
+                if sender == self.rank
+                else "not a rank of the peers table"
+            )
+            self._drop("unknown", key, msg, why)  # fmt: skip
             return None
         return key, msg
 
