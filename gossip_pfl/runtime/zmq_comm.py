@@ -448,12 +448,10 @@ class ZmqComm:
         shape = tuple(_DIM.unpack_from(head, _HEAD.size + i * _DIM.size)[0] for i in range(ndim))
         key, msg = (rnd, phase, kind, seq), _Msg(sender, _DTYPES[code], shape)
         if sender not in self.peers or sender == self.rank:
-            why = (
-                ("its own: two ids of the peers file reach this address (127.0.0.1 and localhost?)")
-                if sender == self.rank
-                else "not a rank of the peers table"
-            )
-            self._drop("unknown", key, msg, why)  # fmt: skip
+            why = "not a rank of the peers table"
+            if sender == self.rank:  # e.g. 127.0.0.1:P for one id and localhost:P for another
+                why = "its own: two ids of the peers file reach this address"
+            self._drop("unknown", key, msg, why)
             return None
         return key, msg
 
