@@ -258,9 +258,13 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
 
     try:
         codes = _watch(start, args.n, restarts)
-    except BaseException:  # (Ctrl-C, an error: no start still queued may fork a peer after)
-        if server is not None:
+    except BaseException as err:  # (Ctrl-C, an error: no start still queued may fork a peer
+        if server is not None:  # after)
             server.close(abort=True)
+        if isinstance(err, KeyboardInterrupt):  # each process printed how to go on, in its log
+            print(f"gossip-pfl: each process's command to continue it is the last line of "
+                  f"{run_dir / 'logs'}/K.txt; then gossip-pfl merge {run_dir} (docs/p2p.md)",
+                  file=sys.stderr)  # fmt: skip
         raise
     else:
         if server is not None:

@@ -538,6 +538,24 @@ def test_a_peer_process_run_again_with_overwrite_starts_its_links_anew(tmp_path)
     assert [json.loads(r)["round"] for r in links.read_text().splitlines()] == [0, 1]
 
 
+def test_ctrl_c_of_peers_local_says_where_each_process_says_how_to_go_on(tmp_path, capsys,
+                                                                       monkeypatch):  # fmt: skip
+    """Ctrl-C printed only 'interrupted'; each process's command to continue it is the last
+    line of its log (docs/p2p.md)."""
+    from gossip_pfl import cli_peer
+
+    def interrupted(start, n, restarts):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli_peer, "_watch", interrupted)
+    run = tmp_path / "run"
+    assert main(["peers-local", str(_config(tmp_path)), "-n", "2", "--out", str(run)]) == 130
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"gossip-pfl: each process's command to continue it is the last line of "
+                   f"{run / 'logs'}/K.txt; then gossip-pfl merge {run} (docs/p2p.md)",
+                   "gossip-pfl: interrupted"]  # fmt: skip
+
+
 def test_a_peer_without_test_samples_is_left_out_of_its_process_mean(tmp_path):
     """A process's progress figure (its row's and summary's ``test_accuracy``) is the mean over
     its peers that have test samples, as the merged run's is: a peer without any counted 0."""
