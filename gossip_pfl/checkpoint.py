@@ -301,6 +301,9 @@ def _kind(value: object) -> str:
 #: run (device, backend, batching, call sizes: like the number of ranks, these change float
 #: rounding, not the algorithm)
 RESUMABLE = ("out", "rounds", "checkpoint_every", "runtime")
+#: what may differ between the ranks or processes of one run: where each reads and writes
+#: (node-local data and caches), and how it runs (its device's call sizes, the transport)
+PER_PROCESS = ("out", "runtime", "data.root", "data.cache_dir", "eval.chunk")
 
 
 def config_differences(

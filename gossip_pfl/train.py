@@ -1481,23 +1481,38 @@ def check_same_config(comm, cfg: RunConfig) -> None:
     import hashlib
     import json
 
+    import torch.distributed as dist
+
     mine = to_dict(cfg)
-    text = json.dumps({k: v for k, v in mine.items() if k not in ("out", "runtime")},
-                      sort_keys=True, default=str)  # fmt: skip
+    if isinstance(mine.get("schedule"), str):  # a file: its content (each rank may spell its
+        mine["schedule"] = read_yaml(mine["schedule"])  # path from another folder)
+    skip = checkpoint.PER_PROCESS
+    kept = _without(mine, skip)
+    text = json.dumps(kept, sort_keys=True, default=str)
     digests = torch.zeros(comm.world_size, dtype=torch.int64, device=comm.device)
     digests[comm.rank] = int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "big")
     digests = comm.all_reduce_sum(digests).cpu()
     other = next((k for k in range(comm.world_size) if digests[k] != digests[0]), None)
     if other is None:
         return
-    import torch.distributed as dist
-
-    configs = [None] * comm.world_size
-    dist.all_gather_object(configs, mine)
-    keys = checkpoint.config_differences(configs[0], configs[other], skip=("out", "runtime"))
+    keys = "?"
+    if dist.is_initialized():  # (another transport with collectives: no torch group to ask)
+        configs = [None] * comm.world_size
+        dist.all_gather_object(configs, kept)
+        keys = ", ".join(checkpoint.config_differences(configs[0], configs[other], skip=skip))
     raise GossipError(f"rank {other} was started with another config than rank 0's (keys "
-                      f"differ: {', '.join(keys)}); start every rank with the same config and "
+                      f"differ: {keys}); start every rank with the same config and "
                       "--set")  # fmt: skip
+
+
+def _without(config: dict, skip: tuple[str, ...], prefix: str = "") -> dict:
+    """``config`` without the dotted keys in ``skip``."""
+    out = {}
+    for key, value in config.items():
+        path = f"{prefix}{key}"
+        if path not in skip:
+            out[key] = _without(value, skip, f"{path}.") if isinstance(value, dict) else value
+    return out
 
 
 __all__ = ["Trainer", "run", "build_schedule", "WORKLOADS", "workload_class"]

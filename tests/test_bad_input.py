@@ -386,8 +386,8 @@ def test_merge_refuses_processes_that_ran_different_configs(tmp_path):
     figures, exit 0: merge names the process and the keys (where each wrote aside)."""
     run = _peer_run(tmp_path)
     cfg = run / "peers" / "1" / "config.yaml"
-    cfg.write_text(cfg.read_text() + "out: elsewhere\n")
-    cli_peer.merge(run)  # (its own folder: no difference)
+    cfg.write_text(cfg.read_text() + "out: elsewhere\ncheckpoint_every: 7\n")
+    cli_peer.merge(run)  # (its own folder and checkpoints, as a resume may set: no difference)
     cfg.write_text("algorithm: {name: dfedem, lr: 0.3}\nrounds: 4\n")
     with pytest.raises(GossipError, match=r"merge: process 1 ran another config than process 0 "
                                           r"\(keys differ: algorithm.lr\)$"):  # fmt: skip

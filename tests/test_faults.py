@@ -408,6 +408,48 @@ def test_ranks_started_with_different_configs_stop_at_once(tmp_path):
     assert not (tmp_path / "out" / "metrics.jsonl").exists()
 
 
+def _check_configs(base: dict, per_rank: list[list[str]], late: float = 0.0) -> str:
+    """Rank r joins a group (rank 1 ``late`` seconds after rank 0) and checks ``base`` with
+    ``per_rank[r]``'s overrides against the other rank's."""
+    import os
+    import time
+
+    import torch.distributed as dist
+
+    from gossip_pfl.runtime.comm import init_comm
+    from gossip_pfl.train import check_same_config
+
+    rank = int(os.environ["RANK"])
+    cfg = load_config(base=base, overrides=per_rank[rank])
+    time.sleep(late * rank)
+    comm = init_comm("cpu", "gloo", timeout_s=4)
+    try:
+        check_same_config(comm, cfg)
+    except GossipError as err:
+        return str(err)
+    finally:
+        dist.destroy_process_group()
+    return "same"
+
+
+def test_ranks_may_read_from_their_own_places(tmp_path):
+    """Node-local caches and data folders, a schedule file named from another folder, and
+    call sizes may differ between ranks (they were refused as another config); a rank that
+    starts later than half the timeout still joins (rank 0's store waits the whole timeout)."""
+    from _helpers import run_ranks
+
+    (tmp_path / "ring.yaml").write_text("graph: ring\n")
+    base = {"seed": 1, "rounds": 2, "algorithm": {"name": "dsgd", "batch_size": 16},
+            "runtime": {"device": "cpu"}, "out": str(tmp_path / "out")}  # fmt: skip
+    per_rank = [[f"data.cache_dir={tmp_path / f'c{r}'}", f"eval.chunk={100 * r}",
+                 f"schedule={tmp_path / 'ring.yaml' if r else tmp_path / '.' / 'ring.yaml'}"]
+                for r in range(2)]  # fmt: skip
+    assert run_ranks(2, _check_configs, base, per_rank, 2.5) == [("ok", "same")] * 2
+    per_rank[1].append("rounds=3")
+    says = "rank 1 was started with another config than rank 0's (keys differ: rounds)"
+    assert [v.split(";")[0] for _, v in run_ranks(2, _check_configs, base, per_rank)] == [says] * 2
+
+
 # ---- runtime.faults.ack_drop: lost acknowledgements ---------------------------------------------
 def _faults_of_a_peer_process(tmp: Path, monkeypatch, ack_drop: float):
     """The Faults that `gossip-pfl peer` hands its ZmqComm for runtime.faults.ack_drop (the

@@ -254,9 +254,10 @@ def world_from_env(env: dict | None = None) -> tuple[int, int]:
             other = "RANK" if name == "WORLD_SIZE" else "WORLD_SIZE"
             raise GossipError(f"{other} is set but {name} is not: start the ranks with torchrun "
                               f"(or unset {other} for one process)")  # fmt: skip
-        if not text.strip().lstrip("-").isdigit():
-            raise GossipError(f"{name}={text!r} is not a whole number")
-        return int(text)
+        try:
+            return int(text)
+        except ValueError:
+            raise GossipError(f"{name}={text!r} is not a whole number") from None
 
     world, rank = count("WORLD_SIZE", world_s), count("RANK", rank_s)
     if world < 1 or not 0 <= rank < world:
@@ -264,7 +265,9 @@ def world_from_env(env: dict | None = None) -> tuple[int, int]:
                           f"{world - 1}, and a world has at least one)")  # fmt: skip
     if world > 1:
         port = env.get("MASTER_PORT", "")
-        if not env.get("MASTER_ADDR") or not port.strip().isdigit() or not 0 < int(port) < 2**16:
+        digits = port.strip()
+        if not (env.get("MASTER_ADDR") and digits.isascii() and digits.isdigit()
+                and 0 < int(digits) < 2**16):  # fmt: skip
             raise GossipError(f"WORLD_SIZE={world} needs MASTER_ADDR and a MASTER_PORT in "
                               f"1..65535 (got {env.get('MASTER_ADDR')!r} and {port!r}): torchrun "
                               "sets them")  # fmt: skip
@@ -316,9 +319,10 @@ def init_comm(device: str = "auto", backend: str = "auto", timeout_s: float = 30
     # to connect to ports closed with it (Gloo: "connection refused", now and then).
     where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
     try:
-        # half the timeout: torch's store client tries twice (a missing rank took 2x)
-        half = datetime.timedelta(seconds=timeout_s / 2)
-        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=half))
+        # the other ranks' store clients try twice (a missing rank 0 took 2x the timeout);
+        # rank 0's store waits for them once
+        wait = timeout if rank == 0 else datetime.timedelta(seconds=timeout_s / 2)
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=wait))
         store = dist.PrefixStore(f"gossip_pfl/group{next(_GROUPS)}", store)
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world, timeout=timeout, **kwargs
