@@ -259,12 +259,12 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
     try:
         codes = _watch(start, args.n, restarts)
     except BaseException as err:  # (Ctrl-C, an error: no start still queued may fork a peer
-        if server is not None:  # after)
-            server.close(abort=True)
-        if isinstance(err, KeyboardInterrupt):  # each process printed how to go on, in its log
+        if isinstance(err, KeyboardInterrupt):  # after); first, so a second Ctrl-C while the
             print(f"gossip-pfl: each process's command to continue it is the last line of "
                   f"{run_dir / 'logs'}/K.txt; then gossip-pfl merge {run_dir} (docs/p2p.md)",
-                  file=sys.stderr)  # fmt: skip
+                  file=sys.stderr)  # fmt: skip  # server closes cannot lose it
+        if server is not None:
+            server.close(abort=True)
         raise
     else:
         if server is not None:

@@ -382,18 +382,19 @@ def load_config(
     data = dict(base or {})
     if path is not None:
         data = read_yaml(path)
-        if isinstance(data.get("schedule"), str):  # schedule paths are relative to the config
-            sched = Path(data["schedule"])
-            if not sched.is_absolute():
-                data["schedule"] = str(Path(path).parent / sched)
+        # paths in a config are relative to it, and held absolute: the run's config.yaml, read
+        # again by a resume from its own folder, named them relative to the working folder
+        here = Path(path).parent.absolute()
+        if isinstance(data.get("schedule"), str):
+            data["schedule"] = str(here / data["schedule"])
         elif isinstance(data.get("schedule"), dict):  # so is a graph file named inline
             graph = data["schedule"].get("graph")
-            if isinstance(graph, str) and (Path(path).parent / graph).is_file():
-                data["schedule"] = {**data["schedule"], "graph": str(Path(path).parent / graph)}
+            if isinstance(graph, str) and (here / graph).is_file():
+                data["schedule"] = {**data["schedule"], "graph": str(here / graph)}
         rt = data.get("runtime")
         peers = rt.get("peers") if isinstance(rt, dict) else None
-        if isinstance(peers, str) and not Path(peers).is_absolute():  # so is the peers file
-            data["runtime"] = {**data["runtime"], "peers": str(Path(path).parent / peers)}
+        if isinstance(peers, str):  # so is the peers file
+            data["runtime"] = {**data["runtime"], "peers": str(here / peers)}
     data = apply_overrides(data, list(overrides))
     cfg = from_dict(RunConfig, data)
     validate(cfg, unread)

@@ -156,6 +156,20 @@ def test_a_resume_that_would_move_the_lr_decay_is_refused(tmp_path, capsys):
     assert main(["run", "--resume", str(out), "--set", "rounds=6", "--quiet", "--no-plots"]) == 0
 
 
+def test_a_run_with_a_schedule_file_resumes_from_any_folder(tmp_path, monkeypatch):
+    """The run's config.yaml held the schedule file's path relative to the working folder, and
+    a resume read it relative to the run's folder: 'schedule file not found'."""
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "ring.yaml").write_text("graph: ring\n")
+    algorithm = {**SMALL["algorithm"], "name": "dsgd"}
+    cfg = {**SMALL, "algorithm": algorithm, "schedule": "ring.yaml", "checkpoint_every": 1}
+    (tmp_path / "cfg" / "x.yaml").write_text(yaml.safe_dump(cfg))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "cfg/x.yaml", "--out", "run", "--quiet", "--no-plots"]) == 0
+    monkeypatch.chdir(tmp_path / "cfg")
+    assert main(["run", "--resume", "../run", "--set", "rounds=4", "--quiet", "--no-plots"]) == 0
+
+
 def test_overwrite_replaces_the_old_runs_files_once_the_new_run_is_built(tmp_path, capsys):
     """An --overwrite refused for a bad schedule (found once the run is built) keeps the old
     run whole, its checkpoint too (it was deleted first, and a resume then said there was
