@@ -258,11 +258,12 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
 
     try:
         codes = _watch(start, args.n, restarts)
-    except BaseException as err:  # (Ctrl-C, an error: no start still queued may fork a peer
-        if isinstance(err, KeyboardInterrupt):  # after); first, so a second Ctrl-C while the
+    except BaseException as err:  # (Ctrl-C, an error: no start still queued may fork a peer)
+        # the hint first: a second Ctrl-C while the server closes cannot lose it
+        if isinstance(err, KeyboardInterrupt):
             print(f"gossip-pfl: each process's command to continue it is the last line of "
                   f"{run_dir / 'logs'}/K.txt; then gossip-pfl merge {run_dir} (docs/p2p.md)",
-                  file=sys.stderr)  # fmt: skip  # server closes cannot lose it
+                  file=sys.stderr)  # fmt: skip
         if server is not None:
             server.close(abort=True)
         raise
