@@ -1484,8 +1484,10 @@ def check_same_config(comm, cfg: RunConfig) -> None:
     import torch.distributed as dist
 
     mine = to_dict(cfg)
-    if isinstance(mine.get("schedule"), str):  # a file: its content (each rank may spell its
-        mine["schedule"] = read_yaml(mine["schedule"])  # path from another folder)
+    sched = mine.get("schedule")
+    if isinstance(sched, str) and Path(sched).is_file():  # its content (each rank may spell its
+        mine["schedule"] = read_yaml(sched)  # path from another folder; a missing one is said
+        # where the schedule is built)
     skip = checkpoint.PER_PROCESS
     kept = _without(mine, skip)
     text = json.dumps(kept, sort_keys=True, default=str)
