@@ -407,23 +407,19 @@ def _changed(section: str, value, default) -> str:
     return ", ".join(f"{section}.{k}" for k, v in vars(value).items() if v != getattr(default, k))
 
 
-#: algorithm keys that only some algorithms read: key -> (whether ``name`` reads it)
+#: algorithm keys that only some algorithms read: key -> (whether algorithm ``name`` of
+#: ``spec`` reads it, what reads it)
 ALGORITHM_KEYS = {
-    "pi_init": lambda name, spec: not spec.single_model,
-    "q_smoothing": lambda name, spec: not spec.single_model,
-    "inner_steps": lambda name, spec: name == "pfedme",
-    "personal_lr": lambda name, spec: name in ("pfedme", "apfl"),
-    "alpha": lambda name, spec: name == "apfl",
-    "alpha_lr": lambda name, spec: name == "apfl",
-}
-ALGORITHM_KEY_USERS = {
-    "pi_init": "the mixtures' mixture weights: fedem, dfedem",
-    "q_smoothing": "the mixtures' loss weights: fedem, dfedem",
-    "inner_steps": "pfedme's inner problem",
-    "personal_lr": "pfedme and apfl's personal models",
-    "alpha": "apfl's mixing weight",
-    "alpha_lr": "apfl's mixing weight",
-}
+    "pi_init": (lambda name, spec: not spec.single_model,
+                "the mixtures' mixture weights: fedem, dfedem"),
+    "q_smoothing": (lambda name, spec: not spec.single_model,
+                    "the mixtures' loss weights: fedem, dfedem"),
+    "inner_steps": (lambda name, spec: name == "pfedme", "pfedme's inner problem"),
+    "personal_lr": (lambda name, spec: name in ("pfedme", "apfl"),
+                    "pfedme and apfl's personal models"),
+    "alpha": (lambda name, spec: name == "apfl", "apfl's mixing weight"),
+    "alpha_lr": (lambda name, spec: name == "apfl", "apfl's mixing weight"),
+}  # fmt: skip
 
 
 def _check_expfam_read(e: ExpFamConfig, name: str) -> None:
@@ -475,9 +471,8 @@ def _check_read(cfg: RunConfig, spec) -> None:
         if spec.workload == "expfam":
             _check_expfam_read(cfg.expfam, a.name)
         return
-    for key, readers in ALGORITHM_KEYS.items():
-        if getattr(a, key) != getattr(AlgorithmConfig, key) and not readers(a.name, spec):
-            users = ALGORITHM_KEY_USERS[key]
+    for key, (reads, users) in ALGORITHM_KEYS.items():
+        if getattr(a, key) != getattr(AlgorithmConfig, key) and not reads(a.name, spec):
             raise GossipError(f"config key 'algorithm.{key}' is {getattr(a, key)!r} but "
                               f"'{a.name}' does not read it ({users})")  # fmt: skip
     if spec.single_model and a.components not in (1, AlgorithmConfig.components):
