@@ -396,9 +396,24 @@ def load_config(
         if isinstance(peers, str):  # so is the peers file
             data["runtime"] = {**data["runtime"], "peers": str(here / peers)}
     data = apply_overrides(data, list(overrides))
+    _absolute_paths(data)  # (--set paths are relative to the working folder)
     cfg = from_dict(RunConfig, data)
     validate(cfg, unread)
     return cfg
+
+
+def _absolute_paths(data: dict) -> None:
+    """The schedule file, an inline graph file and the peers file as absolute paths, so the
+    run's config.yaml names them wherever a resume reads it from."""
+    sched = data.get("schedule")
+    if isinstance(sched, str) and sched.strip():
+        data["schedule"] = str(Path(sched).absolute())
+    elif isinstance(sched, dict) and isinstance(sched.get("graph"), str):
+        if Path(sched["graph"]).is_file():
+            data["schedule"] = {**sched, "graph": str(Path(sched["graph"]).absolute())}
+    rt = data.get("runtime")
+    if isinstance(rt, dict) and isinstance(rt.get("peers"), str) and rt["peers"].strip():
+        data["runtime"] = {**rt, "peers": str(Path(rt["peers"]).absolute())}
 
 
 def _changed(section: str, value, default) -> str:

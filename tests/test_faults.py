@@ -168,6 +168,13 @@ def test_a_run_with_a_schedule_file_resumes_from_any_folder(tmp_path, monkeypatc
     assert main(["run", "cfg/x.yaml", "--out", "run", "--quiet", "--no-plots"]) == 0
     monkeypatch.chdir(tmp_path / "cfg")
     assert main(["run", "--resume", "../run", "--set", "rounds=4", "--quiet", "--no-plots"]) == 0
+    # so is one given with --set, relative to the working folder
+    monkeypatch.chdir(tmp_path)
+    argv = ["run", "cfg/x.yaml", "--set", "schedule=cfg/ring.yaml", "--out", "run2", "--quiet",
+            "--no-plots"]  # fmt: skip
+    assert main(argv) == 0
+    monkeypatch.chdir(tmp_path / "cfg")
+    assert main(["run", "--resume", "../run2", "--set", "rounds=4", "--quiet", "--no-plots"]) == 0
 
 
 def test_overwrite_replaces_the_old_runs_files_once_the_new_run_is_built(tmp_path, capsys):
