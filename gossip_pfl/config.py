@@ -21,7 +21,7 @@ import yaml
 from gossip_pfl.algorithms import RULE_NAMES
 from gossip_pfl.errors import GossipError
 from topologies import TopologyError
-from topologies.spec import load_yaml, read_mapping
+from topologies.spec import KNOWN_FAMILIES, load_yaml, read_mapping
 
 
 @dataclass
@@ -389,7 +389,7 @@ def load_config(
             data["schedule"] = str(here / data["schedule"])
         elif isinstance(data.get("schedule"), dict):  # so is a graph file named inline
             graph = data["schedule"].get("graph")
-            if isinstance(graph, str) and (here / graph).is_file():
+            if isinstance(graph, str) and graph not in KNOWN_FAMILIES and (here / graph).is_file():
                 data["schedule"] = {**data["schedule"], "graph": str(here / graph)}
         rt = data.get("runtime")
         peers = rt.get("peers") if isinstance(rt, dict) else None
@@ -409,8 +409,9 @@ def _absolute_paths(data: dict) -> None:
     if isinstance(sched, str) and sched.strip():
         data["schedule"] = str(Path(sched).absolute())
     elif isinstance(sched, dict) and isinstance(sched.get("graph"), str):
-        if Path(sched["graph"]).is_file():
-            data["schedule"] = {**sched, "graph": str(Path(sched["graph"]).absolute())}
+        graph = sched["graph"]  # (a family's name is no file, whatever the folder holds)
+        if graph not in KNOWN_FAMILIES and Path(graph).is_file():
+            data["schedule"] = {**sched, "graph": str(Path(graph).absolute())}
     rt = data.get("runtime")
     if isinstance(rt, dict) and isinstance(rt.get("peers"), str) and rt["peers"].strip():
         data["runtime"] = {**rt, "peers": str(Path(rt["peers"]).absolute())}
