@@ -121,7 +121,8 @@ SCHEDULE_KEYS: dict[str, str] = {
     "adjacency, `.npz` matrices, `.graphml`, `.gml`; relative to the spec file) or, from "
     "Python, a networkx graph",
     "graph_args": "the family's arguments (below)",
-    "weights": "metropolis (default), max_degree, best_constant, fmmc, uniform",
+    "weights": "metropolis (default), max_degree, best_constant, fmmc, uniform (none for a "
+    "time_varying matching: it fixes its own)",
     "time_varying": "`{kind: link_failure, q}`, `{kind: random}`, `{kind: matching}`, "
     "`{kind: periodic, graphs: [...]}` or `{kind: periodic, file: W.npz}`; omitted: static",
     "seed": "seed of every random draw of the schedule (a run sets it to the run's seed)",
@@ -374,8 +375,11 @@ def render() -> str:
         "names only what it changes. `--set a.b=value` overrides any key from the command line",
         "(the value is read as YAML). Precedence: `--set` > the file > the defaults (no file:",
         "the embedded demo, `gossip_pfl/defaults/demo.yaml`). An unknown key is an error with",
-        "a did-you-mean, a key given twice names its line, a wrong type names the key, and",
-        "cross-field checks name the key to change.",
+        "a did-you-mean, a key given twice names its line, a wrong type names the key,",
+        "cross-field checks name the key to change, and a key the run does not read (another",
+        "algorithm's, rule's or dataset's) names what reads it ([rules.md](rules.md)). Paths",
+        "in a config are relative to it, given with `--set` relative to the working folder;",
+        "the run's `config.yaml` holds them absolute.",
         "",
         "## Run config",
         "",
