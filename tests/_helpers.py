@@ -171,3 +171,19 @@ def cnn_trainer(out, device: str, algorithm: dict | None = None, **runtime):
         "runtime": {"device": device, **runtime}, "out": str(out),
     })  # fmt: skip
     return Trainer(cfg, dataset=data, log=lambda *a: None)
+
+
+def run_threads(worker, n: int, comms: list, timeout: float) -> None:
+    """``worker(k)`` for k < n, each on a thread, then ``comms`` closed (also on an error): the
+    in-process form of n ranks over sockets."""
+    import threading
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(n)]
+    try:
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(timeout)
+    finally:
+        for c in comms:
+            c.close()

@@ -504,9 +504,8 @@ def test_ack_drop_makes_the_ends_disagree_and_merge_counts_it(ack_drop, tmp_path
     some at 0.3 over 5 rounds); the change of the rows' sum in a round is exactly the
     disagreeing links' (x_j - x_k) / 3 at the end that counted (the drift docs/p2p.md names),
     and merge's links report counts the same disagreements, lost ends and drift."""
-    import threading
-
     import torch
+    from _helpers import run_threads
 
     from gossip_pfl import cli_peer
     from gossip_pfl.runtime import zmq_comm as zc
@@ -535,17 +534,15 @@ def test_ack_drop_makes_the_ends_disagree_and_merge_counts_it(ack_drop, tmp_path
             state = new
         seen[k] = rows
 
-    comms, threads = [], [threading.Thread(target=worker, args=(k,)) for k in range(n)]
+    comms = []
     try:
         comms += [zc.ZmqComm(k, peers, "cpu", 10, p2p=True, link_timeout_s=lt, faults=faults)
                   for k in range(n)]  # fmt: skip
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(30)
-    finally:
+    except BaseException:
         for c in comms:
             c.close()
+        raise
+    run_threads(worker, n, comms, 30)
     assert sorted(seen) == list(range(n))
     disagree, lost_ends, total = 0, 0, torch.zeros(7, dtype=torch.float64)
     for t in range(rounds):

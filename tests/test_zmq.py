@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from _helpers import run_ranks
+from _helpers import run_ranks, run_threads
 
 from gossip_pfl.cli_peer import free_ports
 from gossip_pfl.errors import GossipError
@@ -146,8 +146,6 @@ def test_payloads_in_many_frames_land_whole(monkeypatch, p2p, hold):
     frame's edge, a non-contiguous tensor, and a message queued early (a later tag) arrive
     whole, copied into the tensor or (hold) left in the frames (16 KiB ones: libzmq keeps
     frames under 8 KiB in a shared buffer, at any address, and those are copied)."""
-    import threading
-
     values = 4096 if hold else 16  # float32 values per frame
     monkeypatch.setattr(zc, "CHUNK", 4 * values)
     peers = _peers(2)
@@ -175,15 +173,7 @@ def test_payloads_in_many_frames_land_whole(monkeypatch, p2p, hold):
         except Exception as err:  # pragma: no cover - reported below
             errors.append(err)
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
-    try:
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(60)
-    finally:
-        for c in comms:
-            c.close()
+    run_threads(worker, 2, comms, 60)
     assert not errors, errors
     assert max(parts_held) == (3 if hold else 0)  # three whole frames held as three tensors
     for t, n in enumerate(sizes):
@@ -385,7 +375,6 @@ def test_ipv6_hosts_in_brackets():
     """A peers file may name IPv6 hosts as URLs do ([::1]:port): two ranks on the IPv6
     loopback sum a tensor. A bare IPv6 host is ambiguous with the port and is refused."""
     import socket
-    import threading
 
     try:
         with socket.socket(socket.AF_INET6) as s:
@@ -399,13 +388,7 @@ def test_ipv6_hosts_in_brackets():
     def worker(r):
         out[r] = comms[r].all_reduce_sum(torch.tensor([1.0 + r, 10.0 * r]))
 
-    threads = [threading.Thread(target=worker, args=(r,)) for r in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
-    for c in comms:
-        c.close()
+    run_threads(worker, 2, comms, 30)
     assert all(torch.equal(out[r], torch.tensor([3.0, 10.0])) for r in range(2)), out
     with pytest.raises(GossipError, match=r"write an IPv6 host in brackets, \[::1\]:5555"):
         zc.read_peers({0: "::1:5555"})
