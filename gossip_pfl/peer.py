@@ -15,7 +15,7 @@ from gossip_pfl import checkpoint
 from gossip_pfl.config import RunConfig
 from gossip_pfl.errors import KILLED_EXIT
 from gossip_pfl.metrics import score_entries
-from gossip_pfl.train import Trainer
+from gossip_pfl.train import Trainer, config_digest
 
 #: coordinates of the mixed rows sampled to measure the drift of the average (all if fewer)
 PROBES = 64
@@ -35,6 +35,9 @@ class PeerTrainer(Trainer):
         self.probe = probe.to(self.device)
         self.links = None  # opened by run
         self.exchanger.on_mix = self._log_mix
+        if hasattr(comm, "config_digest"):  # checked in the hellos: the same config everywhere
+            skip = (*checkpoint.PER_PROCESS, "checkpoint_every")  # (as merge compares them)
+            comm.config_digest = config_digest(cfg, skip)[0]
 
     def run(self, resume: bool = False) -> dict:
         # a fresh run starts the file anew (appended to, an --overwrite kept the old run's

@@ -392,3 +392,28 @@ def test_ipv6_hosts_in_brackets():
     assert all(torch.equal(out[r], torch.tensor([3.0, 10.0])) for r in range(2)), out
     with pytest.raises(GossipError, match=r"write an IPv6 host in brackets, \[::1\]:5555"):
         zc.read_peers({0: "::1:5555"})
+
+
+def test_processes_started_with_different_configs_are_refused_as_they_join():
+    """Each hello carries the run's config digest: processes started with different --set
+    trained together (merge refused them only at the end). Both stop as they join, naming
+    the other; with the same digest (or none, 0) they join."""
+    peers = _peers(2)
+    for digests, refused in (((7, 7), False), ((7, 0), False), ((7, 9), True)):
+        comms = [zc.ZmqComm(r, peers, "cpu", 10, p2p=True, link_timeout_s=2) for r in range(2)]
+        errors: dict[int, str] = {}
+
+        def worker(r, comms=comms, digests=digests, errors=errors):
+            comms[r].config_digest = digests[r]
+            try:
+                comms[r].join(0, need_all=True)
+            except GossipError as err:
+                errors[r] = str(err)
+
+        run_threads(worker, 2, comms, 20)
+        if refused:
+            assert errors == {r: f"rank {r}: process(es) [{1 - r}] were started with another "
+                                 "config than this one; give every process the same config "
+                                 "and --set" for r in range(2)}, errors  # fmt: skip
+        else:
+            assert errors == {}, errors

@@ -296,6 +296,10 @@ class ZmqComm:
         self._heard: dict[int, int] = {}  # rank -> the round its last hello named
         self._silent: set[int] = set()  # neighbours that sent nothing in their last exchange
         self._reply_to: set[int] = set()  # peers whose hello awaits an answer
+        #: the run's config digest (positive, 31 bits; 0: not checked), sent in every hello: a
+        #: process started with another config is refused as it joins
+        self.config_digest = 0
+        self._other_config: set[int] = set()  # peers whose hello named another digest
         self._live: set[int] = set()  # the links that counted in the last exchange
         self._near: set[int] = set()  # every rank linked in an exchange so far (keepalives)
         self.last_links: dict = {}  # the last p2p exchange's links and the ones lost
@@ -633,17 +637,20 @@ class ZmqComm:
             sock.close(linger=0)
 
     def _hello(self, mkey, msg: _Msg) -> None:
-        """A peer announced itself (mkey[0]: its round; mkey[1]: 1 if it wants a reply)."""
+        """A peer announced itself (mkey[0]: its round; mkey[1]: 1 if it wants a reply;
+        mkey[3]: its config's digest)."""
         self._drain(True)
         self._heard[msg.sender] = mkey[0]
         if mkey[1]:
             self._reply_to.add(msg.sender)
+        if mkey[3] and self.config_digest and mkey[3] != self.config_digest:
+            self._other_config.add(msg.sender)
 
     def _answer_hellos(self) -> None:
         """Tell the peers that asked which round this process is at (after a lost link's
         socket was reset, so that the reply is not discarded with it)."""
         for r in sorted(self._reply_to):
-            self._control(r, (self._round, 0, HELLO, 0), HELLO)
+            self._control(r, (self._round, 0, HELLO, self.config_digest), HELLO)
         self._reply_to.clear()
 
     def _queue_early(self, mkey, msg: _Msg) -> bool:
@@ -687,7 +694,7 @@ class ZmqComm:
             now = time.monotonic()
             if now - announced >= every:
                 for r in others:
-                    self._control(r, (first_round, 1, HELLO, 0), HELLO)
+                    self._control(r, (first_round, 1, HELLO, self.config_digest), HELLO)
                 announced = now
             missing = [r for r in others if r not in self._heard]
             latest = max(self._heard.values(), default=-1)
@@ -722,11 +729,19 @@ class ZmqComm:
                 before = self._heard.get(msg.sender)
                 first_heard = first_heard or time.monotonic()
                 self._hello(mkey, msg)
+                if self._other_config:  # (its processes trained together, and merge refused
+                    others_ = sorted(self._other_config)  # them only at the end)
+                    for r in others_:  # this process's digest, so that they stop too (close
+                        self._control(r, (first_round, 0, HELLO, self.config_digest), HELLO)
+                    raise GossipError(  # lingers for them)
+                        f"rank {self.rank}: process(es) {others_} were started with another "
+                        "config than this one; give every process the same config and --set"
+                    )
                 self._answer_hellos()
                 # a restart asks a running peer below the restart round again at once: a fast
                 # run can pass that round and end between two announcements, unheard
                 if not need_all and mkey[0] < wait_round and (before is None or mkey[0] > before):
-                    self._control(msg.sender, (first_round, 1, HELLO, 0), HELLO)
+                    self._control(msg.sender, (first_round, 1, HELLO, self.config_digest), HELLO)
             elif mkey[2] == ALIVE:  # a running peer waiting on another: nothing for us
                 self._drain(True)
             elif mkey[:2] < self.tag or mkey[0] < latest:
@@ -932,8 +947,11 @@ class ZmqComm:
         # no longer than the link timeout
         for peer, sock in self._push.items():
             linger = self.timeout_s
-            if self.p2p:  # hellos for a peer that never came are not worth waiting for
+            if self.p2p:  # hellos for a peer that never came are not worth waiting for, but
+                # for one started with another config they tell it to stop (a second at most:
+                # it may have stopped already)
                 linger = self.link_timeout_s if peer in self._live else 0
+                linger = min(self.link_timeout_s, 1.0) if peer in self._other_config else linger
             sock.close(linger=int(linger * 1000))
         self._push.clear()
         self._pull.close(linger=0)
