@@ -304,6 +304,8 @@ RESUMABLE = ("out", "rounds", "checkpoint_every", "runtime")
 #: what may differ between the ranks or processes of one run: where each reads and writes
 #: (node-local data and caches), and how it runs (its device's call sizes, the transport)
 PER_PROCESS = ("out", "runtime", "data.root", "data.cache_dir", "eval.chunk")
+#: ... and between the processes of a peer-to-peer run, each saving its own checkpoints
+PEER_PROCESS = (*PER_PROCESS, "checkpoint_every")
 
 
 def config_differences(

@@ -413,12 +413,11 @@ def _metrics_row(path: Path, row: dict) -> dict:
 def _check_same_config(folders: list[Path]) -> None:
     """Every process ran process 0's config (where it wrote and how it ran aside): processes
     started with different --set trained together and merged into one run's figures."""
-    from gossip_pfl.checkpoint import PER_PROCESS, config_differences
+    from gossip_pfl.checkpoint import PEER_PROCESS, config_differences
 
-    skip = (*PER_PROCESS, "checkpoint_every")  # (each process saves its own, set at a resume)
     first = read_yaml(folders[0] / "config.yaml")
     for f in folders[1:]:
-        keys = config_differences(first, read_yaml(f / "config.yaml"), skip=skip)
+        keys = config_differences(first, read_yaml(f / "config.yaml"), skip=PEER_PROCESS)
         if keys:
             raise GossipError(f"merge: process {f.name} ran another config than process "
                               f"{folders[0].name} (keys differ: {', '.join(keys)})")  # fmt: skip

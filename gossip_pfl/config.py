@@ -382,39 +382,29 @@ def load_config(
     data = dict(base or {})
     if path is not None:
         data = read_yaml(path)
-        # paths in a config are relative to it, and held absolute: the run's config.yaml, read
-        # again by a resume from its own folder, named them relative to the working folder
-        here = Path(path).parent.absolute()
-        if isinstance(data.get("schedule"), str):
-            data["schedule"] = str(here / data["schedule"])
-        elif isinstance(data.get("schedule"), dict):  # so is a graph file named inline
-            graph = data["schedule"].get("graph")
-            if isinstance(graph, str) and graph not in KNOWN_FAMILIES and (here / graph).is_file():
-                data["schedule"] = {**data["schedule"], "graph": str(here / graph)}
-        rt = data.get("runtime")
-        peers = rt.get("peers") if isinstance(rt, dict) else None
-        if isinstance(peers, str):  # so is the peers file
-            data["runtime"] = {**data["runtime"], "peers": str(here / peers)}
+        _resolve_paths(data, Path(path).parent)  # a config's paths are relative to it
     data = apply_overrides(data, list(overrides))
-    _absolute_paths(data)  # (--set paths are relative to the working folder)
+    _resolve_paths(data, Path.cwd())  # --set paths to the working folder (others: absolute)
     cfg = from_dict(RunConfig, data)
     validate(cfg, unread)
     return cfg
 
 
-def _absolute_paths(data: dict) -> None:
-    """The schedule file, an inline graph file and the peers file as absolute paths, so the
-    run's config.yaml names them wherever a resume reads it from."""
+def _resolve_paths(data: dict, base: Path) -> None:
+    """The schedule file, an inline graph file and the peers file joined to ``base`` and held
+    absolute (an absolute one stays as it is): the run's config.yaml, read again by a resume
+    from its own folder, named them relative to the working folder."""
+    base = base.absolute()
     sched = data.get("schedule")
     if isinstance(sched, str) and sched.strip():
-        data["schedule"] = str(Path(sched).absolute())
+        data["schedule"] = str(base / sched)
     elif isinstance(sched, dict) and isinstance(sched.get("graph"), str):
         graph = sched["graph"]  # (a family's name is no file, whatever the folder holds)
-        if graph not in KNOWN_FAMILIES and Path(graph).is_file():
-            data["schedule"] = {**sched, "graph": str(Path(graph).absolute())}
+        if graph not in KNOWN_FAMILIES and (base / graph).is_file():
+            data["schedule"] = {**sched, "graph": str(base / graph)}
     rt = data.get("runtime")
     if isinstance(rt, dict) and isinstance(rt.get("peers"), str) and rt["peers"].strip():
-        data["runtime"] = {**rt, "peers": str(Path(rt["peers"]).absolute())}
+        data["runtime"] = {**rt, "peers": str(base / rt["peers"])}
 
 
 def _changed(section: str, value, default) -> str:

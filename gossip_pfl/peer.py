@@ -36,8 +36,7 @@ class PeerTrainer(Trainer):
         self.links = None  # opened by run
         self.exchanger.on_mix = self._log_mix
         if hasattr(comm, "config_digest"):  # checked in the hellos: the same config everywhere
-            skip = (*checkpoint.PER_PROCESS, "checkpoint_every")  # (as merge compares them)
-            comm.config_digest = config_digest(cfg, skip)[0]
+            comm.config_digest = config_digest(cfg, checkpoint.PEER_PROCESS)[0]
 
     def run(self, resume: bool = False) -> dict:
         # a fresh run starts the file anew (appended to, an --overwrite kept the old run's

@@ -646,11 +646,16 @@ class ZmqComm:
         if mkey[3] and self.config_digest and mkey[3] != self.config_digest:
             self._other_config.add(msg.sender)
 
+    def _hello_to(self, peer: int, rnd: int, reply: bool) -> None:
+        """Announce this process to ``peer``: its round, whether it wants a reply, and its
+        config's digest."""
+        self._control(peer, (rnd, int(reply), HELLO, self.config_digest), HELLO)
+
     def _answer_hellos(self) -> None:
         """Tell the peers that asked which round this process is at (after a lost link's
         socket was reset, so that the reply is not discarded with it)."""
         for r in sorted(self._reply_to):
-            self._control(r, (self._round, 0, HELLO, self.config_digest), HELLO)
+            self._hello_to(r, self._round, reply=False)
         self._reply_to.clear()
 
     def _queue_early(self, mkey, msg: _Msg) -> bool:
@@ -694,7 +699,7 @@ class ZmqComm:
             now = time.monotonic()
             if now - announced >= every:
                 for r in others:
-                    self._control(r, (first_round, 1, HELLO, self.config_digest), HELLO)
+                    self._hello_to(r, first_round, reply=True)
                 announced = now
             missing = [r for r in others if r not in self._heard]
             latest = max(self._heard.values(), default=-1)
@@ -729,19 +734,19 @@ class ZmqComm:
                 before = self._heard.get(msg.sender)
                 first_heard = first_heard or time.monotonic()
                 self._hello(mkey, msg)
-                if self._other_config:  # (its processes trained together, and merge refused
-                    others_ = sorted(self._other_config)  # them only at the end)
-                    for r in others_:  # this process's digest, so that they stop too (close
-                        self._control(r, (first_round, 0, HELLO, self.config_digest), HELLO)
-                    raise GossipError(  # lingers for them)
-                        f"rank {self.rank}: process(es) {others_} were started with another "
+                if self._other_config:  # they trained together, merge refused them at the end
+                    other = sorted(self._other_config)
+                    for r in other:  # this process's digest, so that they stop too (close
+                        self._hello_to(r, first_round, reply=False)  # lingers for them)
+                    raise GossipError(
+                        f"rank {self.rank}: process(es) {other} were started with another "
                         "config than this one; give every process the same config and --set"
                     )
                 self._answer_hellos()
                 # a restart asks a running peer below the restart round again at once: a fast
                 # run can pass that round and end between two announcements, unheard
                 if not need_all and mkey[0] < wait_round and (before is None or mkey[0] > before):
-                    self._control(msg.sender, (first_round, 1, HELLO, self.config_digest), HELLO)
+                    self._hello_to(msg.sender, first_round, reply=True)
             elif mkey[2] == ALIVE:  # a running peer waiting on another: nothing for us
                 self._drain(True)
             elif mkey[:2] < self.tag or mkey[0] < latest:
@@ -951,7 +956,8 @@ class ZmqComm:
                 # for one started with another config they tell it to stop (a second at most:
                 # it may have stopped already)
                 linger = self.link_timeout_s if peer in self._live else 0
-                linger = min(self.link_timeout_s, 1.0) if peer in self._other_config else linger
+                if peer in self._other_config:
+                    linger = min(self.link_timeout_s, 1.0)
             sock.close(linger=int(linger * 1000))
         self._push.clear()
         self._pull.close(linger=0)
