@@ -24,6 +24,7 @@ from _helpers import cnn_trainer as cnn_trainer_fedem
 from gossip_pfl.algorithms.base import weighted_loss_grad
 from gossip_pfl.algorithms.losses import sample_loss
 from gossip_pfl.config import load_config
+from gossip_pfl.errors import GossipError
 from gossip_pfl.models import build_model
 from gossip_pfl.runtime.stack import BatchedForward, ParamLayout, init_components
 from gossip_pfl.runtime.threads import (
@@ -690,6 +691,9 @@ def test_thread_default_follows_affinity_ranks_and_env(monkeypatch):
     assert default_threads({"LOCAL_WORLD_SIZE": "32"})[0] == 1
     assert default_threads({"OMP_NUM_THREADS": "3", "LOCAL_WORLD_SIZE": "4"}) == (
         3, "OMP_NUM_THREADS")  # fmt: skip
+    for bad in ("0", "-2", "two", "1.5", "٣"):  # a broken launch, not one rank
+        with pytest.raises(GossipError, match=f"LOCAL_WORLD_SIZE='{bad}' is not a positive"):
+            default_threads({"LOCAL_WORLD_SIZE": bad})
     before = torch.get_num_threads()
     try:
         assert set_threads(1).startswith("1 thread(s) (runtime.threads)")
@@ -804,8 +808,6 @@ def test_bf16_autocast_trains_and_stays_near_float32(tmp_path):
 
 
 def test_precision_is_validated(tmp_path):
-    from gossip_pfl.errors import GossipError
-
     with pytest.raises(GossipError, match=r"'runtime\.precision' must be float32\|bf16"):
         cnn_trainer(tmp_path, "fp16")
 

@@ -65,7 +65,12 @@ def default_threads(env: dict[str, str] | None = None) -> tuple[int, str]:
     if omp.isdigit() and int(omp) > 0:
         return int(omp), "OMP_NUM_THREADS"
     local = env.get("LOCAL_WORLD_SIZE", "").strip()
-    ranks = int(local) if local.isdigit() and int(local) > 0 else 1
+    if local and not (local.isascii() and local.isdigit() and int(local) > 0):
+        raise GossipError(  # torchrun sets the ranks on this node: anything else is broken
+            f"LOCAL_WORLD_SIZE={local!r} is not a positive whole number (torchrun sets it to "
+            "the ranks on this node; unset it for one process)"
+        )
+    ranks = int(local) if local else 1
     cores = available_cores()
     return max(1, cores // ranks), f"{cores} cores / {ranks} rank(s) on the node"
 
