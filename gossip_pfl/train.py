@@ -27,7 +27,7 @@ from gossip_pfl import checkpoint
 from gossip_pfl.algorithms import AlgorithmSpec, build_solver, build_surrogate, get_algorithm
 from gossip_pfl.algorithms.losses import num_outputs, sample_loss
 from gossip_pfl.algorithms.mixture import MixtureSurrogate, fit_mixture_weights
-from gossip_pfl.algorithms.rules import Inbox, build_rule
+from gossip_pfl.algorithms.rules import Average, Inbox, build_rule
 from gossip_pfl.config import RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop
@@ -913,7 +913,9 @@ class Trainer(RoundLoop):
         outbox = self.outbox or {"theta": self.nodes[:L]}
         received = self.bundle.unpack(self._mix(self._pack(outbox), phases, keys, hook))
         theta = received["theta"]
-        if self.route == "gossip" and self.rule.needs_theta:  # each peer's rule
+        # each peer's rule (the plain average is what W_t's phases delivered; a rule that does
+        # not read the round-start model gets None, as on the hub)
+        if self.route == "gossip" and not isinstance(self.rule, Average):
             act = self.uploads("rule_active", active[self.peers])  # (not waiting on a GPU)
             inbox = Inbox({k: v[:L] for k, v in received.items()})
             new, state = self.rule.update(inbox, self.rule_state, self.start)

@@ -7,13 +7,22 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
 import torch
 from _helpers import free_port, run_ranks, stop_after_checkpoint, toy_dataset
 
-from gossip_pfl.algorithms.rules import FedExP, FedLiLS, FedLiLU, Inbox, Scaffold, ServerOpt
+from gossip_pfl.algorithms.rules import (
+    FedExP,
+    FedLiLS,
+    FedLiLU,
+    Inbox,
+    Rule,
+    Scaffold,
+    ServerOpt,
+)
 from gossip_pfl.cli import main
 from gossip_pfl.config import load_config
 from gossip_pfl.errors import GossipError
@@ -448,6 +457,37 @@ def test_gossip_form_on_server_schedule_equals_hub_rule(rule, weights, tmp_path)
         torch.testing.assert_close(state, hub.rule_state[key].expand(8), rtol=rtol, atol=atol)
         not_plain += bool((state > 1).all() if rule == "fedexp" else (state < 1).all())
     assert not_plain >= 1
+
+
+@dataclass(frozen=True)
+class _Shrink(Rule):
+    """A user's gossip rule that reads only its inbox (needs_theta False, like Average)."""
+
+    name = "shrink"
+    gossip = True
+    needs_theta = False
+
+    def init(self, theta):
+        return {}
+
+    def update(self, inbox, state, theta):
+        assert theta is None  # no round-start copy is kept for it, as on the hub
+        return 0.5 * inbox.mean["theta"], state
+
+
+def test_a_gossip_rule_that_does_not_read_the_start_is_applied(tmp_path):
+    """Each peer's rule runs after W_t's phases whatever its needs_theta: a rule reading only
+    the inbox was skipped in gossip (the plain average was kept), though the hub applied it."""
+    sched = {"graph": "ring", "weights": "metropolis"}
+    plain, shrink = (trainer_for(cfg_for(tmp_path / k, "dsgd", schedule=sched)) for k in "ab")
+    shrink.rule = _Shrink()
+    for trainer in (plain, shrink):
+        trainer.local_work(0)
+    torch.testing.assert_close(shrink.nodes, plain.nodes)  # the same local steps
+    for trainer in (plain, shrink):
+        trainer.communicate(0)
+    torch.testing.assert_close(shrink.nodes[:8], 0.5 * plain.nodes[:8])
+    assert plain.nodes[:8].abs().max() > 1e-3
 
 
 # ---- 7. Checkpoints --------------------------------------------------------------------------
