@@ -420,11 +420,11 @@ ALGORITHM_KEYS = {
                 "the mixtures' mixture weights: fedem, dfedem"),
     "q_smoothing": (lambda name, spec: not spec.single_model,
                     "the mixtures' loss weights: fedem, dfedem"),
-    "inner_steps": (lambda name, spec: name == "pfedme", "pfedme's inner problem"),
-    "personal_lr": (lambda name, spec: name in ("pfedme", "apfl"),
+    "inner_steps": (lambda name, spec: spec.surrogate == "pfedme", "pfedme's inner problem"),
+    "personal_lr": (lambda name, spec: spec.surrogate in ("pfedme", "apfl"),
                     "pfedme and apfl's personal models"),
-    "alpha": (lambda name, spec: name == "apfl", "apfl's mixing weight"),
-    "alpha_lr": (lambda name, spec: name == "apfl", "apfl's mixing weight"),
+    "alpha": (lambda name, spec: spec.surrogate == "apfl", "apfl's mixing weight"),
+    "alpha_lr": (lambda name, spec: spec.surrogate == "apfl", "apfl's mixing weight"),
 }  # fmt: skip
 
 
@@ -459,9 +459,9 @@ def _check_read(cfg: RunConfig, spec) -> None:
                           "not read them")  # fmt: skip
     if spec.workload != "model":  # EM and PeFLL read algorithm.name alone
         if given := _changed("algorithm", a, AlgorithmConfig(name=a.name)):
-            own = "expfam.*" if spec.workload == "expfam" else "pefll.*"
-            raise GossipError(f"config key(s) {given}: '{a.name}' reads only algorithm.name "
-                              f"(its keys are {own})")  # fmt: skip
+            own = {"expfam": " (its keys are expfam.*)", "pefll": " (its keys are pefll.*)"}
+            raise GossipError(f"config key(s) {given}: '{a.name}' reads only algorithm.name"
+                              f"{own.get(spec.workload, '')}")  # fmt: skip
         unread = [  # key, value, its no-op values, what reads it
             ("aggregation", cfg.aggregation, (RunConfig.aggregation,),
              "the hub's average of the model workloads' server algorithms"),
@@ -509,7 +509,7 @@ def _check_read(cfg: RunConfig, spec) -> None:
     if searches and a.momentum:
         raise GossipError(f"config key 'algorithm.momentum' is {a.momentum} but the line "
                           "search (rule fedli_ls) takes plain steps; set it to 0")  # fmt: skip
-    if a.mu and not (spec.prox or a.name == "pfedme"):
+    if a.mu and not (spec.prox or spec.surrogate == "pfedme"):
         raise GossipError(f"config key 'algorithm.mu' is {a.mu} but '{a.name}' has no "
                           "proximal term (fedprox and pfedme read it)")  # fmt: skip
 

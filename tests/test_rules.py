@@ -490,6 +490,36 @@ def test_a_gossip_rule_that_does_not_read_the_start_is_applied(tmp_path):
     assert plain.nodes[:8].abs().max() > 1e-3
 
 
+def test_a_new_entry_chooses_its_surrogate_by_field_not_by_name(tmp_path, monkeypatch):
+    """pFedMe over a gossip schedule as one ALGORITHMS entry: it trains pFedMe's personal
+    models and reads algorithm.inner_steps (the surrogate was picked by the literal names
+    'pfedme' and 'apfl': a new name trained plain DSGD and refused inner_steps)."""
+    from gossip_pfl import algorithms
+    from gossip_pfl.algorithms.personal import PFedMeSurrogate
+
+    spec = algorithms.AlgorithmSpec(True, "given", surrogate="pfedme")
+    monkeypatch.setitem(algorithms.ALGORITHMS, "dpfedme", spec)
+    sched = {"graph": "ring", "weights": "metropolis"}
+    cfg = cfg_for(tmp_path, "dpfedme", algo={"inner_steps": 3, "mu": 2.0}, schedule=sched)
+    trainer = trainer_for(cfg)
+    assert isinstance(trainer.surrogate, PFedMeSurrogate)
+    assert (trainer.surrogate.inner_steps, trainer.surrogate.lam) == (3, 2.0)
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [("topology", "gossip"), ("solver", "Armijo"), ("surrogate", "pfedem"), ("rule", "avg")],
+)
+def test_an_algorithm_spec_with_a_typo_is_refused(field, value):
+    """A typo in a new entry ran something else (solver 'Armijo' ran SGD; topology 'gossip'
+    crashed later on a None schedule)."""
+    from gossip_pfl.algorithms import AlgorithmSpec
+
+    kw = {"single_model": True, "topology": "server", field: value}
+    with pytest.raises(GossipError, match=f"AlgorithmSpec {field}='{value}'; known: "):
+        AlgorithmSpec(**kw)
+
+
 # ---- 7. Checkpoints --------------------------------------------------------------------------
 
 CHECKPOINTED = {

@@ -44,6 +44,19 @@ class AlgorithmSpec:
     summary: str = ""
     #: the RoundLoop that runs it (gossip_pfl.train.WORKLOADS): "model" trains networks
     workload: str = "model"
+    #: the clients' private variables (build_surrogate): mixture (FedEM's, or none for
+    #: M = 1) | pfedme | apfl
+    surrogate: str = "mixture"
+
+    def __post_init__(self) -> None:  # a typo in a new entry would run something else
+        for field, value, known in (
+            ("topology", self.topology, ("server", "given", "none")),
+            ("solver", self.solver, ("sgd", "armijo")),
+            ("surrogate", self.surrogate, ("mixture", "pfedme", "apfl")),
+            ("rule", self.rule, (*RULE_NAMES, "em_memory", "em_naive")),
+        ):
+            if value not in known:
+                raise GossipError(f"AlgorithmSpec {field}={value!r}; known: {', '.join(known)}")
 
 
 def _server(rule: str, summary: str, **kw) -> AlgorithmSpec:
@@ -62,8 +75,8 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
     "local": AlgorithmSpec(True, "none", summary="Local: each peer alone (W = I)"),
     "fedprox": _server("average", "FedProx: FedAvg + mu/2 prox", prox=True),
     "fedavg_plus": _server("average", "FedAvg+: one local epoch at evaluation", finetune_epochs=1),
-    "pfedme": _server("average", "pFedMe: personal models, prox to shared"),
-    "apfl": _server("average", "APFL: personal + shared, learned alpha"),
+    "pfedme": _server("average", "pFedMe: personal models, prox to shared", surrogate="pfedme"),
+    "apfl": _server("average", "APFL: personal + shared, learned alpha", surrogate="apfl"),
     "clustered": _server("clustered", "Clustered FL (Sattler et al.)"),
     "fedavgm": _server("fedavgm", "FedAvgM: server momentum on the pseudo-gradient"),
     "fedadam": _server("fedadam", "FedAdam (Reddi et al. 2021)"),
@@ -93,9 +106,9 @@ def build_surrogate(cfg, spec: AlgorithmSpec, components: int, task: str):
 
     a = cfg.algorithm
     personal_lr = a.personal_lr if a.personal_lr is not None else a.lr
-    if cfg.algorithm.name == "pfedme":
+    if spec.surrogate == "pfedme":
         return PFedMeSurrogate(1, task, a.batch_size, a.mu or 15.0, a.inner_steps, personal_lr)
-    if cfg.algorithm.name == "apfl":
+    if spec.surrogate == "apfl":
         alpha_lr = a.alpha_lr if a.alpha_lr is not None else personal_lr
         return APFLSurrogate(1, task, a.batch_size, a.alpha, personal_lr, alpha_lr)
     return MixtureSurrogate(components, task, a.batch_size, a.pi_init, cfg.seed, a.q_smoothing)
