@@ -27,8 +27,8 @@ from gossip_pfl import checkpoint
 from gossip_pfl.algorithms import AlgorithmSpec, build_solver, build_surrogate, get_algorithm
 from gossip_pfl.algorithms.losses import num_outputs, sample_loss
 from gossip_pfl.algorithms.mixture import MixtureSurrogate, fit_mixture_weights
-from gossip_pfl.algorithms.rules import Average, Inbox, build_rule
-from gossip_pfl.config import RunConfig, read_yaml, to_dict
+from gossip_pfl.algorithms.rules import Average, Inbox, build_rule, check_rule, gossip_rules
+from gossip_pfl.config import RuleConfig, RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop
 from gossip_pfl.metrics import recovery_entry, score_entries
@@ -231,7 +231,7 @@ class Trainer(RoundLoop):
         self.sizes = sizes
         self.agg_weights = sizes.astype(np.float64) if cfg.aggregation == "size" else np.ones(n)
         self.n_active = participant_count(cfg.participation, n)
-        self.rule = build_rule(cfg.rule.name or self.spec.rule, cfg.rule, n)
+        self.rule = check_rule(build_rule(cfg.rule.name or self.spec.rule, cfg.rule, n))
         self.route = self._route()
         if not self.collectives and self.route not in ("gossip", "none"):
             raise GossipError(
@@ -360,10 +360,12 @@ class Trainer(RoundLoop):
                 )
             return "rule"
         if not self.rule.gossip:
+            forms = gossip_rules(RuleConfig(), n)  # (FedLi-LS's has rule.step one only)
+            options = " under these rule.* options" if name in forms else ""
             raise GossipError(
-                f"rule.name {name!r} has no gossip form (schedule is "
-                f"{self.schedule!r}); gossip rules: average, fedexp, fedli_lu, fedli_ls "
-                "(rule.step one); or drop 'schedule' and use a server algorithm"
+                f"rule.name {name!r} has no gossip form{options} (schedule is "
+                f"{self.schedule!r}); gossip rules: {', '.join(forms)} (with their default "
+                "options); or drop 'schedule' and use a server algorithm"
             )
         if k < n:
             if max(p.size for p in self.schedule.phases(0)) > n:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -735,6 +736,37 @@ def test_bad_input_in_the_trainer_names_the_key(over, key, tmp_path):
     msg = str(err.value)
     assert "\n" not in msg and key in msg, msg
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("step", ["one", "max"])
+def test_a_rule_without_a_gossip_form_lists_those_with_one(step, tmp_path):
+    """The list comes from the rules themselves (rules.md's table: a new gossip rule appears
+    in it); FedLi-LS has one with rule.step one only, which the message says."""
+    rule = {"name": "fedli_ls", "step": step} if step == "max" else {"name": "fedadam"}
+    cfg = cfg_for(tmp_path, "dsgd", rule=rule, schedule={"graph": "ring"})
+    with pytest.raises(GossipError, match=r"gossip rules: average, fedexp, fedli_lu, fedli_ls "):
+        trainer_for(cfg)
+    with pytest.raises(GossipError) as err:
+        trainer_for(cfg)
+    assert ("under these rule.* options" in str(err.value)) == (step == "max")
+
+
+@pytest.mark.parametrize(
+    "declares, words",
+    [({"scalars": ("grad_norm",)}, "reads the per-client scalar 'grad_norm'; the clients send"),
+     ({"per_client": ("c",)}, "reads 'c' client by client (per_client), but only theta travel"),
+     ({"scalars": ("loss",), "per_client": ("loss", "theta")}, None)],
+)  # fmt: skip
+def test_a_rule_reading_messages_nobody_sends_is_refused(declares, words):
+    """A new rule's scalar the clients do not compute was a KeyError inside the bundle."""
+    from gossip_pfl.algorithms.rules import check_rule
+
+    rule = dataclass(frozen=True)(type("Mine", (_Shrink,), {"name": "mine", **declares}))()
+    if words is None:
+        assert check_rule(rule) is rule
+        return
+    with pytest.raises(GossipError, match=re.escape(f"rule 'mine' {words}")):
+        check_rule(rule)
 
 
 @pytest.mark.parametrize(

@@ -270,6 +270,31 @@ DEFAULT_LR = {"server_sgd": 1.0, "fedavgm": 1.0, "fedadam": 0.01, "fedyogi": 0.0
               "fedadagrad": 0.01, "scaffold": 1.0}  # fmt: skip
 
 
+#: the per-client scalars the clients send (gossip_pfl.train.Trainer.client_messages)
+CLIENT_SCALARS = ("loss", "eta", "sq_delta")
+
+
+def check_rule(rule: Rule) -> Rule:
+    """``rule``, when the messages it declares are ones the runtime sends (a new scalar name
+    was a KeyError deep in the bundle)."""
+    for name in rule.scalars:
+        if name not in CLIENT_SCALARS:
+            raise GossipError(f"rule {rule.name!r} reads the per-client scalar {name!r}; the "
+                              f"clients send {', '.join(CLIENT_SCALARS)} (a new one is computed "
+                              "in gossip_pfl.train.Trainer.client_messages)")  # fmt: skip
+    sent = ("theta", *rule.scalars, *rule.tensors)
+    for name in rule.per_client:
+        if name not in sent:
+            raise GossipError(f"rule {rule.name!r} reads {name!r} client by client "
+                              f"(per_client), but only {', '.join(sent)} travel")  # fmt: skip
+    return rule
+
+
+def gossip_rules(opts, n_peers: int) -> list[str]:
+    """The names of the rules with a gossip form under the options ``opts``."""
+    return [name for name in RULE_NAMES if build_rule(name, opts, n_peers).gossip]
+
+
 def build_rule(name: str, opts, n_peers: int):
     """A rule from its name and the config's ``rule`` section."""
     lr = opts.lr if opts.lr is not None else DEFAULT_LR.get(name, 1.0)
