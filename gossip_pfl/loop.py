@@ -7,7 +7,8 @@ gossip_pfl.expfam, ...) subclasses :class:`RoundLoop` and provides the steps; th
 what every run needs the same way: the run folder, metrics rows, progress, signals (finish the
 round, checkpoint, stop), checkpoints every ``checkpoint_every`` rounds, and resuming.
 
-A workload has ``cfg``, ``comm``, ``device``, ``log``, ``times`` (a dict) and ``round``, and
+A workload has ``cfg``, ``comm``, ``device``, ``log``, ``times`` (seconds by phase, which the
+loop adds to; a workload keeps it in its checkpoints) and ``round``, and
 implements ``sample``, ``local_work``, ``communicate``, ``metrics_row``, ``checkpoint``,
 ``restore``, ``summary`` and ``describe`` (and ``settle`` where a round leaves work queued).
 """
@@ -121,7 +122,8 @@ class RoundLoop:
 
     def progress_fields(self, row: dict) -> dict[str, str]:
         """The progress line's figures from a metrics row (a workload may show others)."""
-        fields = {"loss": f"{row['train_loss']:.4f}", "acc": f"{row['test_accuracy']:.4f}"}
+        shown = {"loss": "train_loss", "acc": "test_accuracy"}  # those the row has
+        fields = {k: f"{row[key]:.4f}" for k, key in shown.items() if key in row}
         if row.get("consensus_distance"):  # a peer process has none (merge works it out)
             fields["consensus"] = f"{max(row['consensus_distance']):.3g}"
         return fields
@@ -133,6 +135,7 @@ class RoundLoop:
         # peer to peer (no collectives): every process writes its own run folder
         is_main = self.comm.rank == 0 or not self.comm.collectives
         first, rows = 0, []
+        self.times = {"local": 0.0, "exchange": 0.0, **getattr(self, "times", {})}
         if resume:
             first, rows = self.restore(out)
         if is_main:

@@ -1447,7 +1447,8 @@ def _where(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Te
 
 
 #: workload name (AlgorithmSpec.workload) -> "module:class", imported when a run uses it
-WORKLOADS: dict[str, str] = {
+#: workload name -> its RoundLoop class, or "module:Class" (imported when a run uses it)
+WORKLOADS: dict[str, str | type[RoundLoop]] = {
     "model": "gossip_pfl.train:Trainer",
     "expfam": "gossip_pfl.expfam.run:ExpFamRun",
     "pefll": "gossip_pfl.algorithms.pefll:PeFLLRun",
@@ -1458,7 +1459,10 @@ def workload_class(name: str) -> type[RoundLoop]:
     """The RoundLoop subclass that runs algorithms of workload ``name``."""
     from importlib import import_module
 
-    module, cls = WORKLOADS[name].split(":")
+    where = WORKLOADS[name]
+    if not isinstance(where, str):
+        return where
+    module, cls = where.split(":")
     return getattr(import_module(module), cls)
 
 

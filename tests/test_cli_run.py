@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from gossip_pfl.cli import main
+from gossip_pfl.loop import RoundLoop
 
 
 def test_demo_run_prints_results_table(tmp_path, capsys):
@@ -87,3 +89,65 @@ print(sorted(m for m in sys.modules if m == "torch" or m.startswith("torch.")))
                           text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+class _Averaging(RoundLoop):
+    """A workload of ten numbers: each round half of them (seeded) are sampled and the hub
+    moves its estimate half way to their mean. It sets nothing of ``times``."""
+
+    summary_keys = ("estimate", "rounds")
+
+    def __init__(self, cfg, dataset=None, comm=None, log=print):
+        self.cfg, self.comm, self.log, self.device = cfg, comm, log, torch.device("cpu")
+        self.values, self.estimate = np.arange(10.0), 0.0
+
+    def sample(self, t):
+        return np.random.default_rng([self.cfg.seed, t]).random(10) < 0.5
+
+    def local_work(self, t, active=None):
+        self.sent = self.values[active] if active.any() else self.values
+
+    def communicate(self, t, active=None):
+        self.estimate = 0.5 * self.estimate + 0.5 * float(self.sent.mean())
+
+    def metrics_row(self, t):
+        return {"round": t + 1, "estimate": self.estimate}
+
+    def checkpoint(self, out, rounds_done, rows):
+        state = {"rounds_done": rounds_done, "estimate": self.estimate, "rows": rows}
+        torch.save(state, Path(out) / "averaging.pt")
+
+    def restore(self, out):
+        state = torch.load(Path(out) / "averaging.pt")
+        self.estimate = state["estimate"]
+        return state["rounds_done"], state["rows"]
+
+    def summary(self, last, wall):
+        return {"estimate": self.estimate, "rounds": self.cfg.rounds, "wall_seconds": wall}
+
+    def describe(self):
+        return "averaging: a hub moves half way to the sampled numbers' mean"
+
+
+def test_a_workload_registered_as_a_class_runs_and_resumes(tmp_path, capsys, monkeypatch):
+    """algorithms.md's 'Another kind of algorithm', as written: the class itself in WORKLOADS
+    (a "module:Class" string was required), no ``times`` and no train_loss in its rows. The
+    estimate after 4 rounds, also resumed after 2, is the recurrence written out."""
+    from gossip_pfl import algorithms, train
+
+    monkeypatch.setitem(algorithms.ALGORITHMS, "averaging",
+                        algorithms.AlgorithmSpec(True, "server", workload="averaging"))  # fmt: skip
+    monkeypatch.setitem(train.WORKLOADS, "averaging", _Averaging)
+    want = 0.0
+    for t in range(4):
+        mask = np.random.default_rng([7, t]).random(10) < 0.5
+        want = 0.5 * want + 0.5 * (np.arange(10.0)[mask].mean() if mask.any() else 4.5)
+    base = ["--set", "algorithm.name=averaging", "--set", "seed=7", "--set", "eval.every=1"]
+    out = tmp_path / "run"
+    assert main(["run", *base, "--set", "rounds=2", "--out", str(out), "--quiet"]) == 0
+    assert main(["run", "--resume", str(out), "--set", "rounds=4", "--quiet"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["estimate"] == want
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in rows] == [1, 2, 3, 4]
+    assert f"estimate {round(want, 4)}" in " ".join(capsys.readouterr().out.split())

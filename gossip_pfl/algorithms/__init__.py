@@ -27,6 +27,9 @@ RULE_KEYS = {
     "clustered": ("tol1", "tol2"),
 }
 RULE_NAMES = tuple(RULE_KEYS)
+#: the clients' private variables build_surrogate knows: FedEM's mixture (no private
+#: variables for M = 1), pFedMe's and APFL's personal models
+SURROGATES = ("mixture", "pfedme", "apfl")
 
 
 @dataclass(frozen=True)
@@ -44,15 +47,13 @@ class AlgorithmSpec:
     summary: str = ""
     #: the RoundLoop that runs it (gossip_pfl.train.WORKLOADS): "model" trains networks
     workload: str = "model"
-    #: the clients' private variables (build_surrogate): mixture (FedEM's, or none for
-    #: M = 1) | pfedme | apfl
-    surrogate: str = "mixture"
+    surrogate: str = "mixture"  #: the clients' private variables: one of SURROGATES
 
     def __post_init__(self) -> None:  # a typo in a new entry would run something else
         for field, value, known in (
             ("topology", self.topology, ("server", "given", "none")),
             ("solver", self.solver, ("sgd", "armijo")),
-            ("surrogate", self.surrogate, ("mixture", "pfedme", "apfl")),
+            ("surrogate", self.surrogate, SURROGATES),
             ("rule", self.rule, (*RULE_NAMES, "em_memory", "em_naive")),
         ):
             if value not in known:
