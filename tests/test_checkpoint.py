@@ -98,6 +98,23 @@ def test_resume_with_other_config_names_keys(tmp_path):
     assert [json.loads(r)["round"] for r in rows] == [2]
 
 
+def test_resume_on_other_data_under_the_same_config_is_refused(tmp_path):
+    """Same config, other data (a dataset of one's own that changed, a Python run resumed from
+    the command line): refused by the checkpoint's data digest, nothing overwritten. One label
+    flipped is other data; the same data renamed is not."""
+    run_until(cfg_for(tmp_path / "cut"), stop_after=2)
+    other = toy_dataset(8)
+    other.clients[3].y_train[5] = 1 - other.clients[3].y_train[5]
+    with pytest.raises(GossipError, match=r"--resume .*cut: the checkpoint was trained on other "
+                       r"data than this run's 'toy' \(the checkpoint's: 'toy'; "):  # fmt: skip
+        Trainer(cfg_for(tmp_path / "cut"), dataset=other, log=lambda *a: None).run(resume=True)
+    rows = (tmp_path / "cut" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(r)["round"] for r in rows] == [2]
+    renamed = toy_dataset(8)
+    renamed.name = "mine"
+    Trainer(cfg_for(tmp_path / "cut"), dataset=renamed, log=lambda *a: None).run(resume=True)
+
+
 def test_a_checkpoint_from_before_loss_divisor_resumes_as_it_ran(tmp_path):
     """A checkpoint made before ``algorithm.loss_divisor`` existed divided every minibatch by
     B: it resumes under ``loss_divisor: batch_size`` and equals the uninterrupted run, and is
