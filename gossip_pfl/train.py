@@ -1057,15 +1057,19 @@ class Trainer(RoundLoop):
     def evaluate_unseen(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Clients held out of training: download the peers' average components, keep them
         fixed, fit pi by EM on the client's own training data (to convergence, or one step
-        from uniform as in the paper), then evaluate. No data: uniform pi."""
+        from uniform as in the paper), then evaluate. No data: uniform pi. Under Clustered
+        FL a client takes the cluster model of least loss on its training data instead."""
         n_unseen = len(self.unseen_ids)
         theta = self.nodes[: len(self.peers)].double().sum(0)
         theta_bar = (self.comm.all_reduce_sum(theta) / self.n_peers).to(self.nodes.dtype)
+        clusters = self.cluster_models() if self.route == "rule" else None  # (every rank)
         if self.unseen_train is None:
             zero = torch.zeros(0, device=self.device)
             return tuple(self.gather([zero, zero, zero], [], n_unseen))
         u = len(self.unseen_pos)
         theta_u = theta_bar.expand(u, *theta_bar.shape)
+        if clusters is not None:
+            theta_u = self.nearest_cluster(clusters, theta_u)
         personal = self.surrogate.init_personal(self.unseen_ids[self.unseen_pos], theta_bar)
         if self.finetune_epochs:  # FedAvg+: the local epochs a seen peer takes, on its own data
             theta_u = theta_u.clone()
@@ -1078,6 +1082,30 @@ class Trainer(RoundLoop):
         theta_u = self.surrogate.eval_state(theta_u, personal)  # pFedMe, APFL: personal models
         nll, acc = self.scores(self.unseen_test, theta_u, personal)
         return tuple(self.gather([nll, acc, self.unseen_test.counts], self.unseen_pos, n_unseen))
+
+    def cluster_models(self) -> torch.Tensor:
+        """Clustered FL's model of each cluster (C, M, P): after a round every member holds
+        its cluster's average; the first member's, sent by its rank (a sum with zeros, so
+        the same on any number of ranks; all ranks join it)."""
+        labels = self.rule_state["labels"].cpu().numpy()
+        first = np.unique(labels, return_index=True)[1]  # each cluster's first member
+        models = self.nodes.new_zeros((len(first), *self.nodes.shape[1:]))
+        here = np.isin(first, self.peers)
+        at = np.searchsorted(self.peers, first[here])  # (this rank's peers are sorted)
+        mask, rows = (torch.as_tensor(a, device=self.device) for a in (here, at))
+        models[mask] = self.nodes[rows]
+        return self.comm.all_reduce_sum(models)
+
+    def nearest_cluster(self, clusters: torch.Tensor, theta_u: torch.Tensor) -> torch.Tensor:
+        """Each unseen client's cluster model of least mean loss on its own training data; one
+        without training data keeps ``theta_u``. (Our choice: Sattler et al. sort a new client
+        down their tree of splits by the cosine similarity of its update.)"""
+        n = self.unseen_train.counts.double()
+        loss = torch.stack([  # (U, C): each cluster model's mean loss on each client's data
+            self.train_losses(c.expand_as(theta_u), self.unseen_train).double().sum((1, 2))
+            for c in clusters
+        ], 1) / n.clamp_min(1)[:, None]  # fmt: skip
+        return torch.where((n > 0)[:, None, None], clusters[loss.argmin(1)], theta_u)
 
     def keys_before(self) -> dict:
         """Before ``algorithm.loss_divisor`` existed, every minibatch was divided by B."""
@@ -1461,8 +1489,8 @@ def _where(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Te
     return torch.where(mask.view(-1, *([1] * (new.dim() - 1))), new, old)
 
 
-#: workload name (AlgorithmSpec.workload) -> "module:class", imported when a run uses it
-#: workload name -> its RoundLoop class, or "module:Class" (imported when a run uses it)
+#: workload name (AlgorithmSpec.workload) -> its RoundLoop class, or "module:Class" (imported
+#: when a run uses it)
 WORKLOADS: dict[str, str | type[RoundLoop]] = {
     "model": "gossip_pfl.train:Trainer",
     "expfam": "gossip_pfl.expfam.run:ExpFamRun",

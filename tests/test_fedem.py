@@ -415,6 +415,33 @@ def test_clustered_fl_bipartition_and_phase():
     np.testing.assert_allclose(w.sum(1), 1)
 
 
+def test_an_unseen_client_under_clustered_fl_takes_its_clusters_model(tmp_path):
+    """toy_dataset's clients alternate between two labelling rules. With the clusters {even}
+    and {odd} each holding a model fitted to its rule, a held-out client is scored with the
+    model of least loss on its training data, its own rule's (accuracy by hand), not with the
+    two models' average as before (which fits neither as well)."""
+    ds = toy_dataset(10)
+    ds.unseen = [8, 9]
+    trainer = Trainer(cfg_for(tmp_path, "clustered", components=1), ds, log=quiet)
+    assert trainer.layout.names == ["fc.weight", "fc.bias"]
+    group = np.arange(8) % 2
+    trainer.rule_state["labels"] = torch.as_tensor(group)
+    fits = []  # per rule: the mean of (2y - 1) x over its clients, bias 0
+    for z in (0, 1):
+        xs = [(2 * c.y_train[:, None] - 1) * c.x_train for c in ds.clients[z:8:2]]
+        fits.append(np.append(np.concatenate(xs).mean(0), 0.0).astype(np.float32))
+    trainer.nodes[:8, 0] = torch.as_tensor(np.stack(fits)[group])
+
+    def accuracy(w, client):
+        return np.mean((client.x_test @ w[:-1] + w[-1] > 0) == client.y_test)
+
+    _, acc, _ = trainer.evaluate_unseen()
+    want = [accuracy(fits[z], ds.clients[8 + z]) for z in (0, 1)]
+    np.testing.assert_allclose(acc, want, rtol=1e-6)
+    average = [accuracy((fits[0] + fits[1]) / 2, ds.clients[8 + z]) for z in (0, 1)]
+    assert min(want) > 0.85 and max(average) < min(want)  # (the old scoring's)
+
+
 def test_mixture_usage_in_metrics(tmp_path):
     """metrics.jsonl and summary.json report each component's mean mixture weight and how
     many clients lead with it, computed from the peers' own pi."""
