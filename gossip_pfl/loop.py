@@ -120,6 +120,29 @@ class RoundLoop:
                 f"or start a run of {self.cfg.rounds} rounds"
             )
 
+    def data_state(self) -> dict | None:
+        """What a checkpoint keeps of the workload's ``dataset`` (a FederatedDataset; None
+        without one): its name and digest, for :meth:`check_data`."""
+        data = getattr(self, "dataset", None)
+        if data is None:
+            return None
+        if "_data_digest" not in self.__dict__:
+            self._data_digest = data.digest()
+        return {"name": data.name, "digest": self._data_digest}
+
+    def check_data(self, state: object, where: str) -> None:
+        """The checkpoint was trained on this run's data (the same config over other data: a
+        dataset of one's own changed, a run of one resumed from the command line, data files
+        replaced). Checkpoints from before the check carry no digest and pass."""
+        saved = state.get("data") if isinstance(state, dict) else None
+        mine = self.data_state()
+        if isinstance(saved, dict) and mine and saved.get("digest") != mine["digest"]:
+            raise GossipError(
+                f"{where}: the checkpoint was trained on other data than this run's "
+                f"'{mine['name']}' (the checkpoint's: '{saved.get('name')}'; client sizes, "
+                "labels or samples differ): resume with the data it was made with"
+            )
+
     def progress_fields(self, row: dict) -> dict[str, str]:
         """The progress line's figures from a metrics row (a workload may show others)."""
         shown = {"loss": "train_loss", "acc": "test_accuracy"}  # those the row has

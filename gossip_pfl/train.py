@@ -185,7 +185,6 @@ class Trainer(RoundLoop):
             raise GossipError(f"dataset '{dataset.name}': no test samples (data.n_test, or the "
                               "test share of data.split): nothing to evaluate")  # fmt: skip
         self.n_peers = n
-        self.data_digest = dataset.digest()  # a resume checks it: same config, other data
         self.M = 1 if self.spec.single_model else cfg.algorithm.components
         self.schedule: MixingSchedule | None = build_schedule(cfg, n, self.spec)
         self.placement = Placement(n, self.comm.world_size, self.comm.rank)
@@ -1285,7 +1284,7 @@ class Trainer(RoundLoop):
         state = {
             "rounds_done": rounds_done,
             "config": to_dict(self.cfg),
-            "data": {"name": self.dataset.name, "digest": self.data_digest},
+            "data": self.data_state(),
             "shared": self.rows_of(self.nodes[:L]).cpu(),
             "aux": self.nodes[L:].cpu() if self.comm.rank == 0 else None,
             "personal": {k: self.rows_of(v).cpu() for k, v in self.personal.items()},
@@ -1307,18 +1306,6 @@ class Trainer(RoundLoop):
         if self.route == "gossip":
             return {k: self.rows_of(v).cpu() for k, v in self.rule_state.items()}
         return {k: v.cpu() for k, v in self.rule_state.items()}
-
-    def check_data(self, state: object, where: str) -> None:
-        """The checkpoint was trained on this run's data (the same config over other data: a
-        dataset of one's own changed, a run of one resumed from the command line, data files
-        replaced). Checkpoints from before the check carry no digest and pass."""
-        saved = state.get("data") if isinstance(state, dict) else None
-        if isinstance(saved, dict) and saved.get("digest") != self.data_digest:
-            raise GossipError(
-                f"{where}: the checkpoint was trained on other data than this run's "
-                f"'{self.dataset.name}' (the checkpoint's: '{saved.get('name')}'; client sizes, "
-                "labels or samples differ): resume with the data it was made with"
-            )
 
     def restore(self, out: Path) -> tuple[int, list]:
         """Load RUN_DIR/checkpoint.pt into this rank's peers; returns (first round, rows)."""

@@ -20,6 +20,7 @@ from gossip_pfl.algorithms.rules import Inbox
 from gossip_pfl.cli import main
 from gossip_pfl.config import load_config
 from gossip_pfl.data.base import ClientData, FederatedDataset
+from gossip_pfl.errors import GossipError
 from gossip_pfl.models import LabelEmbedding, LeNet, LeNetEmbedding, build_model
 from gossip_pfl.train import run
 
@@ -197,6 +198,9 @@ def test_checkpoint_round_trip_and_resume(tmp_path):
     assert saved["rounds_done"] == 2
     for k, v in cut.hub_state.items():
         assert torch.equal(saved["hub"][k], v), k
+    other = images(seed=1)  # the same config over other data: refused, as for the model runs
+    with pytest.raises(GossipError, match="the checkpoint was trained on other data"):
+        run(config(tmp_path / "b", rounds=4, eval=every), other, log=quiet, resume=True)
     resumed = run(config(tmp_path / "b", rounds=4, eval=every), ds, log=quiet, resume=True)
     for key in ("test_accuracy", "train_loss", "unseen_test_accuracy", "model_bytes",
                 "client_test_accuracy"):  # fmt: skip

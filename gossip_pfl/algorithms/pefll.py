@@ -527,6 +527,7 @@ class PeFLLRun(RoundLoop):
         checkpoint.save({
             "rounds_done": rounds_done,
             "config": to_dict(self.cfg),
+            "data": self.data_state(),
             "hub": {k: v.detach().cpu() for k, v in self.hub_state.items()},
             "times": dict(self.times),
             "kind_bytes": dict(self.kind_bytes),
@@ -537,6 +538,7 @@ class PeFLLRun(RoundLoop):
         where = f"--resume {out}"
         state = checkpoint.load(out)
         self.check_config(state, where)  # a changed key, named before the shapes it changes
+        self.check_data(state, where)
         checkpoint.check_structure(state, self.n_peers, (), CHECKPOINT_KEYS, where=where)
         hub = state["hub"]
         fresh = self.hub.init(self.hyper.initial(), self.embed.initial())
