@@ -185,6 +185,7 @@ class Trainer(RoundLoop):
             raise GossipError(f"dataset '{dataset.name}': no test samples (data.n_test, or the "
                               "test share of data.split): nothing to evaluate")  # fmt: skip
         self.n_peers = n
+        self.data_state()  # the checkpoints' data digest, now rather than in the rounds' time
         self.M = 1 if self.spec.single_model else cfg.algorithm.components
         self.schedule: MixingSchedule | None = build_schedule(cfg, n, self.spec)
         self.placement = Placement(n, self.comm.world_size, self.comm.rank)

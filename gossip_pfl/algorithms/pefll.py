@@ -246,6 +246,7 @@ class PeFLLRun(RoundLoop):
 
             dataset = load_dataset(cfg.data.name, **cfg.data.options)
         self.dataset = dataset
+        self.data_state()  # the checkpoints' data digest, now rather than in the rounds' time
         if dataset.task != "multiclass":
             raise GossipError(
                 f"data.name '{dataset.name}': PeFLL's embedding reads class labels; the dataset's "
