@@ -32,7 +32,12 @@ from gossip_pfl.cli import nonempty
 from gossip_pfl.config import load_config, path_override, read_yaml
 from gossip_pfl.errors import KILLED_EXIT, GossipError
 from gossip_pfl.metrics import score_entries
-from gossip_pfl.rundir import CHECKPOINT_FILE, read_rows, write, write_rows
+from gossip_pfl.rundir import (
+    CHECKPOINT_FILE,
+    read_rows,
+    rewrite_rows,
+    write_text,
+)
 
 if TYPE_CHECKING:
     from gossip_pfl.config import RunConfig
@@ -339,7 +344,7 @@ def merge(run_dir: str | Path) -> dict:
         raise GossipError(f"merge: no metrics rows in {run_dir / 'peers'}/*/metrics.jsonl")
     links = _merge_links(folders)
     final = _final_consensus(folders, merged[-1])
-    write(run_dir / "metrics.jsonl", lambda p: write_rows(p, merged))
+    rewrite_rows(run_dir / "metrics.jsonl", merged)
     last = merged[-1]
     summary = {
         "algorithm": algorithm,
@@ -368,7 +373,7 @@ def merge(run_dir: str | Path) -> dict:
         **{k: v for k, v in last.items() if k.startswith("mixture_")},
         "links": links,
     }
-    write(run_dir / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n"))
+    write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
 
 

@@ -28,6 +28,15 @@ from gossip_pfl.config import to_dict
 from gossip_pfl.errors import GossipError
 
 
+def _readable_summary(path: Path) -> bool:
+    """``path`` holds a run's summary (a JSON object): a run stopped while writing it left
+    a cut file or none."""
+    try:
+        return isinstance(json.loads(path.read_text()), dict)
+    except (OSError, ValueError):
+        return False
+
+
 class RoundLoop:
     """The loop; subclasses provide the named steps (see the module docstring)."""
 
@@ -87,9 +96,16 @@ class RoundLoop:
             raise GossipError(f"{where}: the checkpoint is of round {done}, past rounds = "
                               f"{self.cfg.rounds} (set rounds above {done} to go on)")  # fmt: skip
         if done == self.cfg.rounds:
+            if not _readable_summary(Path(self.cfg.out) / "summary.json"):
+                # stopped between its last checkpoint and its summary: the resume writes it
+                # (and the command line the figures) from the checkpoint, training nothing
+                self.log(f"{where}: the run finished its {done} rounds; writing its summary")
+                return
+            out = self.cfg.out
             raise GossipError(
                 f"{where}: the run already finished its {self.cfg.rounds} rounds "
-                "(raise 'rounds' with --set rounds=N to go on)"
+                "(raise 'rounds' with --set rounds=N to go on; its figures again: "
+                f"gossip-pfl plot {out} --out {Path(out) / 'plots'})"
             )
 
     def check_config(self, state: object, where: str) -> None:
@@ -165,10 +181,12 @@ class RoundLoop:
             rundir.write(out, lambda p: p.mkdir(parents=True, exist_ok=True))
             if not resume:
                 rundir.clear_outputs(out)
+            elif first < cfg.rounds:  # a finished run taken further: its summary and figures
+                rundir.clear_outputs(out, keep_checkpoint=True)  # are of fewer rounds
             config_text = rundir.dump_yaml(to_dict(cfg))
-            rundir.write(out / "config.yaml", lambda p: p.write_text(config_text))
+            rundir.write_text(out / "config.yaml", config_text)
             # rows past the checkpoint are recomputed: keep the file consistent with the state
-            rundir.write(out / "metrics.jsonl", lambda p: rundir.write_rows(p, rows))
+            rundir.rewrite_rows(out / "metrics.jsonl", rows)
             self.log(self.describe() + (f"; resumed after round {first}" if resume else ""))
         start = time.perf_counter() - self.times.get("wall", 0.0)
         clock = PhaseClock(self.device)
@@ -210,9 +228,7 @@ class RoundLoop:
         progress.close()
         summary = self.summary(rows[-1], time.perf_counter() - start)
         if is_main:
-            rundir.write(
-                out / "summary.json", lambda p: p.write_text(json.dumps(summary, indent=2) + "\n")
-            )
+            rundir.write_text(out / "summary.json", json.dumps(summary, indent=2) + "\n")
         return summary
 
     def _agreed(self, signum: int, write_error: GossipError | None = None) -> int:

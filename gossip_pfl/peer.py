@@ -57,6 +57,8 @@ class PeerTrainer(Trainer):
         if (Path(out) / checkpoint.FILE).is_file():
             first, rows = super().restore(out)
         self.resumed = True
+        if first == self.cfg.rounds:  # finished, stopped before its summary: nobody to join
+            return first, rows
         start = self.comm.join(first, need_all=False, wait_round=self.wait_round)
         if start > first:
             self.log(f"process {self.comm.rank}: rejoins at round {start} (checkpoint: {first})")

@@ -14,13 +14,14 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from gossip_pfl.errors import GossipError, one_line
-from gossip_pfl.rundir import FIGURES, read_rows
+from gossip_pfl.rundir import FIGURES, read_rows, replace_with
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -479,7 +480,7 @@ def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
         except (TypeError, ValueError) as err:  # e.g. "consensus_distance": "x"
             raise GossipError(_bad_value(name, runs, err)) from None
         try:
-            fig.savefig(path, dpi=DPI)
+            replace_with(path, partial(fig.savefig, dpi=DPI, format="png"))
         except OSError as err:
             raise GossipError(f"cannot write {path}: {one_line(err)}") from None
         paths.append(path)

@@ -99,6 +99,28 @@ def write(path: Path, action) -> None:
         raise GossipError(f"out: could not write {path} ({err.strerror or err})") from None
 
 
+def replace_with(path: Path, save) -> None:
+    """``save(tmp)`` writes the new file beside ``path``, then it replaces ``path`` at once: a
+    run killed while writing leaves the old file or the new one, never a cut one (a cut
+    summary.json blocked the run's resume, merge and plot; a cut config.yaml its resume)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        save(tmp)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text(path: Path, text: str) -> None:
+    """``path`` replaced by ``text`` (:func:`replace_with`), failures in one line."""
+    write(path, lambda p: replace_with(p, lambda tmp: tmp.write_text(text)))
+
+
+def rewrite_rows(path: Path, rows: list[dict]) -> None:
+    """``path`` replaced by ``rows`` (:func:`replace_with`), failures in one line."""
+    write(path, lambda p: replace_with(p, lambda tmp: write_rows(tmp, rows)))
+
+
 def is_peer_run(folder: Path) -> bool:
     """A ``peers-local`` run's folder: its peers file and each process's own folder."""
     return (folder / "peers.yaml").is_file() and (folder / "peers").is_dir()
@@ -137,14 +159,17 @@ FIGURES = ("accuracy_vs_round", "loss_vs_round", "consensus_vs_round", "accuracy
            "client_accuracy_hist", "mixture_weights_vs_round", "expfam")  # fmt: skip
 
 
-def clear_outputs(out: Path) -> None:
+def clear_outputs(out: Path, keep_checkpoint: bool = False) -> None:
     """A fresh run's start in a folder that may hold another run (``--overwrite``): the files
     that run wrote and this one may not write again go (its summary, its checkpoint, which a
     stop must not leave to be resumed, and its figures: an EM run kept a FedAvg run's five; a
     peer process starts its links.jsonl anew itself).
     Only now, once the run is built: an --overwrite refused for a bad schedule kept the old
-    run whole. The metrics and config are rewritten at once; nothing else is touched."""
-    for path in (out / "summary.json", out / CHECKPOINT_FILE,
+    run whole. The metrics and config are rewritten at once; nothing else is touched. A
+    resume that goes on keeps the checkpoint (``keep_checkpoint``): the summary and figures
+    of a finished run taken further are of fewer rounds."""
+    checkpoint = () if keep_checkpoint else (out / CHECKPOINT_FILE,)
+    for path in (out / "summary.json", *checkpoint,
                  *(out / "plots" / f"{name}.png" for name in FIGURES)):  # fmt: skip
         write(path, lambda p: p.unlink(missing_ok=True))
 

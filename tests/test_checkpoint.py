@@ -15,6 +15,10 @@ from gossip_pfl.errors import GossipError
 from gossip_pfl.train import Trainer
 
 
+def quiet(*_args, **_kw):
+    pass
+
+
 def cfg_for(out, rounds=6, **over):
     base = {
         "seed": 5,
@@ -149,3 +153,73 @@ def test_resume_of_a_finished_run_says_where_its_checkpoint_is(tmp_path):
     # fewer rounds than the checkpoint's: it read "already finished its 4 rounds"
     with pytest.raises(GossipError, match=r"checkpoint is of round 6, past rounds = 4 \(set"):
         resume(cfg_for(tmp_path, rounds=4))
+
+
+def test_a_run_stopped_before_its_summary_is_finished_by_its_resume(tmp_path):
+    """Killed between its last checkpoint and its summary (a cut summary.json, or none): the
+    resume writes the summary from the checkpoint, training nothing, equal to the
+    uninterrupted run's (wall time aside). It refused ('already finished'), and merge and
+    plot refused the cut file, so a checkpointed run could not be finished."""
+    want = Trainer(cfg_for(tmp_path / "full"), dataset=toy_dataset(8), log=quiet).run()
+    cut = tmp_path / "cut"
+    stop_after_checkpoint(Trainer(cfg_for(cut), dataset=toy_dataset(8), log=quiet), 6)
+    assert not (cut / "summary.json").exists()
+    (cut / "summary.json").write_text('{"algorithm": "dfe')  # cut while written
+    got = Trainer(cfg_for(cut), dataset=toy_dataset(8), log=quiet).run(resume=True)
+    on_disk = json.loads((cut / "summary.json").read_text())
+    for summary in (got, on_disk):
+        assert {k: v for k, v in summary.items() if k != "wall_seconds"} == {
+            k: v for k, v in want.items() if k != "wall_seconds"
+        }
+    with pytest.raises(GossipError, match=r"already finished its 6 rounds .* figures again: "
+                       r"gossip-pfl plot .*cut --out .*cut/plots\)"):  # fmt: skip
+        resume(cfg_for(cut))  # once the summary is there
+
+
+def test_a_finished_run_taken_further_drops_its_old_summary_at_once(tmp_path):
+    """A finished 6-round run resumed with rounds = 10 and killed after round 8: its folder
+    no longer holds the 6-round summary beside metrics of 8 rounds; the next resume ends
+    with the 10-round run's summary."""
+    out = tmp_path / "run"
+    Trainer(cfg_for(out), dataset=toy_dataset(8), log=quiet).run()
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 6
+    longer = Trainer(cfg_for(out, rounds=10), dataset=toy_dataset(8), log=quiet)
+    original = longer.checkpoint
+
+    def checkpoint_then_stop(where, done, rows):
+        original(where, done, rows)
+        if done == 8:
+            raise KeyboardInterrupt  # killed
+
+    longer.checkpoint = checkpoint_then_stop
+    with pytest.raises(KeyboardInterrupt):
+        longer.run(resume=True)
+    assert not (out / "summary.json").exists()
+    assert [json.loads(r)["round"] for r in (out / "metrics.jsonl").read_text().splitlines()] == [
+        2, 4, 6, 8]  # fmt: skip
+    Trainer(cfg_for(out, rounds=10), dataset=toy_dataset(8), log=quiet).run(resume=True)
+    assert json.loads((out / "summary.json").read_text())["rounds"] == 10
+
+
+def test_an_output_cut_while_written_leaves_the_old_file():
+    """rundir.replace_with: a write stopped midway (a kill, a full disk) leaves the file as it
+    was and no temporary beside it (summary.json, config.yaml, metrics and figures go through
+    it)."""
+    import tempfile
+    from pathlib import Path
+
+    from gossip_pfl.rundir import replace_with
+
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "summary.json"
+        path.write_text('{"rounds": 6}')
+
+        def cut(tmp):
+            tmp.write_text('{"rou')
+            raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            replace_with(path, cut)
+        assert path.read_text() == '{"rounds": 6}' and list(Path(folder).iterdir()) == [path]
+        replace_with(path, lambda tmp: tmp.write_text('{"rounds": 8}'))
+        assert path.read_text() == '{"rounds": 8}' and list(Path(folder).iterdir()) == [path]
