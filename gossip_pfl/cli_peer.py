@@ -34,6 +34,7 @@ from gossip_pfl.errors import KILLED_EXIT, GossipError
 from gossip_pfl.metrics import score_entries
 from gossip_pfl.rundir import (
     CHECKPOINT_FILE,
+    REJOINS,
     read_rows,
     rewrite_rows,
     write_text,
@@ -343,6 +344,7 @@ def merge(run_dir: str | Path) -> dict:
     if not merged:
         raise GossipError(f"merge: no metrics rows in {run_dir / 'peers'}/*/metrics.jsonl")
     links = _merge_links(folders)
+    rejoins = _rejoins(folders)
     final = _final_consensus(folders, merged[-1])
     rewrite_rows(run_dir / "metrics.jsonl", merged)
     last = merged[-1]
@@ -372,6 +374,7 @@ def merge(run_dir: str | Path) -> dict:
         "client_test_accuracy": last["client_test_accuracy"],
         **{k: v for k, v in last.items() if k.startswith("mixture_")},
         "links": links,
+        **({"rejoins": rejoins} if rejoins else {}),
     }
     write_text(run_dir / "summary.json", json.dumps(summary, indent=2) + "\n")
     return summary
@@ -489,6 +492,21 @@ def _merge_round(rnd: int, by_process: dict[int, dict]) -> dict:
     return row
 
 
+def _rejoins(folders: list[Path]) -> dict[str, list[list[int]]]:
+    """Each process's resumes at a later round than its checkpoint's, [checkpoint, start]:
+    its peers did not train the rounds between (processes stopped at different rounds and
+    resumed together start at the latest; each keeps only its last checkpoint)."""
+    out = {}
+    for f in folders:
+        rows = read_rows(f / REJOINS)
+        for e in rows:
+            if not (_is_count(e.get("checkpoint")) and _is_count(e.get("start"))):
+                raise GossipError(f"{f / REJOINS}: a row without checkpoint and start rounds")
+        if rows:
+            out[f.name] = [[e["checkpoint"], e["start"]] for e in rows]
+    return out
+
+
 def _merge_links(folders: list[Path]) -> dict:
     """Links lost and disagreements over the run, and the drift of the average: per mixing
     step, the change of the sum of every process's rows (on the sampled coordinates), over
@@ -595,6 +613,12 @@ def _print_summary(summary: dict, run_dir: Path) -> None:
     ln = summary["links"]
     print(f"  links                 {ln['link_ends_lost']} of {ln['link_ends']} link ends lost, "
           f"{ln['disagreements']} disagreements, drift {ln['drift_total']:.3g}")  # fmt: skip
+    for k, spans in summary.get("rejoins", {}).items():
+        skipped = ", ".join(f"{a + 1}-{b}" for a, b in spans)
+        print(
+            f"  rejoined              process {k}'s peers did not train rounds {skipped} "
+            "(it resumed at a later round than its checkpoint's: docs/p2p.md)"
+        )
 
 
 def cmd_merge(args: argparse.Namespace) -> int:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import json
 import os
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from gossip_pfl import checkpoint
+from gossip_pfl import checkpoint, rundir
 from gossip_pfl.config import RunConfig
 from gossip_pfl.errors import KILLED_EXIT
 from gossip_pfl.metrics import score_entries
@@ -41,14 +42,14 @@ class PeerTrainer(Trainer):
     def run(self, resume: bool = False) -> dict:
         # a fresh run starts the file anew (appended to, an --overwrite kept the old run's
         # exchanges: merge counted both); only now, once the run is built
-        path = Path(self.cfg.out) / "links.jsonl"
-        self.links = open(path, "a" if resume else "w", buffering=1)  # noqa: SIM115
         try:
             if not resume:  # a fresh start needs every process
+                self.links = open(Path(self.cfg.out) / "links.jsonl", "w", buffering=1)  # noqa: SIM115
                 self.comm.join(0, need_all=True)
-            return super().run(resume)
+            return super().run(resume)  # (a resume opens the file in restore)
         finally:
-            self.links.close()
+            if self.links is not None:
+                self.links.close()
 
     def restore(self, out: Path) -> tuple[int, list]:
         """The process's own latest checkpoint (none: its initial state), then the round the
@@ -57,11 +58,19 @@ class PeerTrainer(Trainer):
         if (Path(out) / checkpoint.FILE).is_file():
             first, rows = super().restore(out)
         self.resumed = True
+        # the exchanges a killed run logged past its checkpoint are not in the state: merge
+        # would count them (rows of their rounds come again)
+        path = Path(out) / "links.jsonl"
+        kept = [e for e in rundir.read_rows(path) if e.get("round", 0) < first]
+        rundir.rewrite_rows(path, kept)
+        self.links = open(path, "a", buffering=1)  # noqa: SIM115
         if first == self.cfg.rounds:  # finished, stopped before its summary: nobody to join
             return first, rows
         start = self.comm.join(first, need_all=False, wait_round=self.wait_round)
-        if start > first:
+        if start > first:  # its peers skip the rounds between: merge says so
             self.log(f"process {self.comm.rank}: rejoins at round {start} (checkpoint: {first})")
+            entry = {"checkpoint": first, "start": start}
+            rundir.write(Path(out) / rundir.REJOINS, partial(rundir.append_row, row=entry))
         return start, rows
 
     def sample(self, t: int) -> np.ndarray:

@@ -14,6 +14,8 @@ from gossip_pfl.errors import GossipError
 #: the checkpoint's name in a run folder (gossip_pfl.checkpoint writes it; named here, where
 #: the folder is checked, so the check needs no torch)
 CHECKPOINT_FILE = "checkpoint.pt"
+#: a peer process's resumes at a later round than its checkpoint's, a row each (merge reports)
+REJOINS = "rejoins.jsonl"
 
 
 class Progress:
@@ -168,7 +170,7 @@ def clear_outputs(out: Path, keep_checkpoint: bool = False) -> None:
     run whole. The metrics and config are rewritten at once; nothing else is touched. A
     resume that goes on keeps the checkpoint (``keep_checkpoint``): the summary and figures
     of a finished run taken further are of fewer rounds."""
-    checkpoint = () if keep_checkpoint else (out / CHECKPOINT_FILE,)
+    checkpoint = () if keep_checkpoint else (out / CHECKPOINT_FILE, out / REJOINS)
     for path in (out / "summary.json", *checkpoint,
                  *(out / "plots" / f"{name}.png" for name in FIGURES)):  # fmt: skip
         write(path, lambda p: p.unlink(missing_ok=True))

@@ -303,6 +303,9 @@ def test_killed_peer_restarts_from_its_checkpoint_and_rejoins(tmp_path):
     assert rounds[:2] == [0, 1] and rounds[2] >= 5 and rounds[-1] == 29
     summary = json.loads((run / "summary.json").read_text())
     assert summary["peers_reporting"] == 8  # every peer reports the last round
+    # merge says which rounds its peers did not train: from its round-2 checkpoint to rejoining
+    assert summary["rejoins"] == {"2": [[2, rounds[2]]]}
+    assert f"process 2's peers did not train rounds 3-{rounds[2]} " in p2p.stdout
     peer2 = json.loads((run / "peers" / "2" / "summary.json").read_text())
     assert peer2["round"] == 30
 
