@@ -58,12 +58,9 @@ class PeerTrainer(Trainer):
         if (Path(out) / checkpoint.FILE).is_file():
             first, rows = super().restore(out)
         self.resumed = True
-        # the exchanges a killed run logged past its checkpoint are not in the state: merge
-        # would count them (rows of their rounds come again)
-        path = Path(out) / "links.jsonl"
-        kept = [e for e in rundir.read_rows(path) if e.get("round", 0) < first]
-        rundir.rewrite_rows(path, kept)
-        self.links = open(path, "a", buffering=1)  # noqa: SIM115
+        # appended: the exchanges a killed run made past its checkpoint happened for its
+        # neighbours (merge keeps a process's last row of an exchange logged twice)
+        self.links = open(Path(out) / "links.jsonl", "a", buffering=1)  # noqa: SIM115
         if first == self.cfg.rounds:  # finished, stopped before its summary: nobody to join
             return first, rows
         start = self.comm.join(first, need_all=False, wait_round=self.wait_round)
