@@ -243,6 +243,11 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
     base = ["peer", args.config, "--peers", str(peers), "--out", str(run_dir), "--quiet"]
     for o in args.overrides:
         base += ["--set", o]
+    # each process's command to continue it, there from the start (a process killed outright
+    # prints none)
+    resume = "".join(f"gossip-pfl {shlex.join([*base, '--id', str(k), '--resume'])}\n"
+                     for k in range(args.n))  # fmt: skip
+    write_text(run_dir / "logs" / RESUME_COMMANDS, resume)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     restarts = {k["id"]: k["restart"] for k in cfg.runtime.faults.kill if "restart" in k}
     # on Linux the processes fork from one server that loaded torch once (peer_server.py);
@@ -267,9 +272,9 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
     except BaseException as err:  # (Ctrl-C, an error: no start still queued may fork a peer)
         # the hint first: a second Ctrl-C while the server closes cannot lose it
         if isinstance(err, KeyboardInterrupt):
-            print(f"gossip-pfl: each process's command to continue it is the last line of "
-                  f"{run_dir / 'logs'}/K.txt; then gossip-pfl merge {run_dir} (docs/p2p.md)",
-                  file=sys.stderr)  # fmt: skip
+            print(f"gossip-pfl: to continue, run every command of "
+                  f"{run_dir / 'logs' / RESUME_COMMANDS} at once, then gossip-pfl merge "
+                  f"{run_dir} (docs/p2p.md)", file=sys.stderr)  # fmt: skip
         if server is not None:
             server.close(abort=True)
         raise
@@ -287,6 +292,10 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
     summary = merge(run_dir)
     _print_summary(summary, run_dir)
     return 0
+
+
+#: RUN_DIR/logs/RESUME_COMMANDS: a peers-local run's commands to continue each process
+RESUME_COMMANDS = "resume.txt"
 
 
 def _watch(start, n: int, restarts: dict[int, int]) -> dict[int, int]:

@@ -543,8 +543,8 @@ def test_a_peer_process_run_again_with_overwrite_starts_its_links_anew(tmp_path)
 
 def test_ctrl_c_of_peers_local_says_where_each_process_says_how_to_go_on(tmp_path, capsys,
                                                                        monkeypatch):  # fmt: skip
-    """Ctrl-C printed only 'interrupted'; each process's command to continue it is the last
-    line of its log (docs/p2p.md)."""
+    """Ctrl-C printed only 'interrupted'; the commands to continue each process are in
+    logs/resume.txt from the start (a process killed outright prints none; docs/p2p.md)."""
     from gossip_pfl import cli_peer
 
     def interrupted(start, n, restarts):
@@ -554,9 +554,14 @@ def test_ctrl_c_of_peers_local_says_where_each_process_says_how_to_go_on(tmp_pat
     run = tmp_path / "run"
     assert main(["peers-local", str(_config(tmp_path)), "-n", "2", "--out", str(run)]) == 130
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"gossip-pfl: each process's command to continue it is the last line of "
-                   f"{run / 'logs'}/K.txt; then gossip-pfl merge {run} (docs/p2p.md)",
+    assert err == [f"gossip-pfl: to continue, run every command of {run / 'logs'}/resume.txt "
+                   f"at once, then gossip-pfl merge {run} (docs/p2p.md)",
                    "gossip-pfl: interrupted"]  # fmt: skip
+    commands = [shlex.split(x) for x in (run / "logs" / "resume.txt").read_text().splitlines()]
+    for k, argv in enumerate(commands):
+        assert argv[:2] == ["gossip-pfl", "peer"] and argv[-3:] == ["--id", str(k), "--resume"]
+        assert argv[argv.index("--out") + 1] == str(run)
+    assert len(commands) == 2
 
 
 def test_a_peer_without_test_samples_is_left_out_of_its_process_mean(tmp_path):
