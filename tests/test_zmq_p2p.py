@@ -447,7 +447,11 @@ def test_a_stopped_peer_process_says_how_to_resume_it(tmp_path):
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     metrics = run / "peers" / "0" / "metrics.jsonl"
     deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and proc.poll() is None and not metrics.exists():
+    # a row, not the file: the file is written before the loop takes SIGTERM (on a loaded
+    # machine the signal landed in between and killed the process, -15)
+    while time.monotonic() < deadline and proc.poll() is None and not (
+        metrics.exists() and metrics.read_text()
+    ):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=60)
