@@ -449,8 +449,10 @@ def test_a_stopped_peer_process_says_how_to_resume_it(tmp_path):
     deadline = time.monotonic() + 60
     # a row, not the file: the file is written before the loop takes SIGTERM (on a loaded
     # machine the signal landed in between and killed the process, -15)
-    while time.monotonic() < deadline and proc.poll() is None and not (
-        metrics.exists() and metrics.read_text()
+    while (
+        time.monotonic() < deadline
+        and proc.poll() is None
+        and not (metrics.exists() and metrics.read_text())
     ):
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
