@@ -1101,10 +1101,11 @@ class Trainer(RoundLoop):
         without training data keeps ``theta_u``. (Our choice: Sattler et al. sort a new client
         down their tree of splits by the cosine similarity of its update.)"""
         n = self.unseen_train.counts.double()
-        loss = torch.stack([  # (U, C): each cluster model's mean loss on each client's data
-            self.train_losses(c.expand_as(theta_u), self.unseen_train).double().sum((1, 2))
-            for c in clusters
-        ], 1) / n.clamp_min(1)[:, None]  # fmt: skip
+        # the cluster models as one client's components (Clustered FL trains one model):
+        # every client's loss under every cluster model in one call, (U, C, N)
+        as_components = clusters[:, 0].expand(len(theta_u), *clusters[:, 0].shape)
+        loss = self.train_losses(as_components, self.unseen_train).double().sum(2)
+        loss = loss / n.clamp_min(1)[:, None]  # (U, C): mean loss on each client's data
         return torch.where((n > 0)[:, None, None], clusters[loss.argmin(1)], theta_u)
 
     def keys_before(self) -> dict:
