@@ -413,18 +413,18 @@ def _changed(section: str, value, default) -> str:
     return ", ".join(f"{section}.{k}" for k, v in vars(value).items() if v != getattr(default, k))
 
 
-#: algorithm keys that only some algorithms read: key -> (whether algorithm ``name`` of
-#: ``spec`` reads it, what reads it)
+#: algorithm keys that only some algorithms read: key -> (whether an algorithm of ``spec``
+#: reads it, what reads it)
 ALGORITHM_KEYS = {
-    "pi_init": (lambda name, spec: not spec.single_model,
+    "pi_init": (lambda spec: not spec.single_model,
                 "the mixtures' mixture weights: fedem, dfedem"),
-    "q_smoothing": (lambda name, spec: not spec.single_model,
+    "q_smoothing": (lambda spec: not spec.single_model,
                     "the mixtures' loss weights: fedem, dfedem"),
-    "inner_steps": (lambda name, spec: spec.surrogate == "pfedme", "pfedme's inner problem"),
-    "personal_lr": (lambda name, spec: spec.surrogate in ("pfedme", "apfl"),
+    "inner_steps": (lambda spec: spec.surrogate == "pfedme", "pfedme's inner problem"),
+    "personal_lr": (lambda spec: spec.surrogate in ("pfedme", "apfl"),
                     "pfedme and apfl's personal models"),
-    "alpha": (lambda name, spec: spec.surrogate == "apfl", "apfl's mixing weight"),
-    "alpha_lr": (lambda name, spec: spec.surrogate == "apfl", "apfl's mixing weight"),
+    "alpha": (lambda spec: spec.surrogate == "apfl", "apfl's mixing weight"),
+    "alpha_lr": (lambda spec: spec.surrogate == "apfl", "apfl's mixing weight"),
 }  # fmt: skip
 
 
@@ -478,7 +478,7 @@ def _check_read(cfg: RunConfig, spec) -> None:
             _check_expfam_read(cfg.expfam, a.name)
         return
     for key, (reads, users) in ALGORITHM_KEYS.items():
-        if getattr(a, key) != getattr(AlgorithmConfig, key) and not reads(a.name, spec):
+        if getattr(a, key) != getattr(AlgorithmConfig, key) and not reads(spec):
             raise GossipError(f"config key 'algorithm.{key}' is {getattr(a, key)!r} but "
                               f"'{a.name}' does not read it ({users})")  # fmt: skip
     if spec.single_model and a.components not in (1, AlgorithmConfig.components):
