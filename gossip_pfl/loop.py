@@ -26,6 +26,7 @@ import torch
 from gossip_pfl import rundir
 from gossip_pfl.config import to_dict
 from gossip_pfl.errors import GossipError
+from topologies.spec import dump_yaml
 
 
 def _readable_summary(path: Path) -> bool:
@@ -183,7 +184,7 @@ class RoundLoop:
                 rundir.clear_outputs(out)
             elif first < cfg.rounds:  # a finished run taken further: its summary and figures
                 rundir.clear_outputs(out, keep_checkpoint=True)  # are of fewer rounds
-            config_text = rundir.dump_yaml(to_dict(cfg))
+            config_text = dump_yaml(to_dict(cfg))
             rundir.write_text(out / "config.yaml", config_text)
             # rows past the checkpoint are recomputed: keep the file consistent with the state
             rundir.rewrite_rows(out / "metrics.jsonl", rows)

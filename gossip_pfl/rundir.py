@@ -211,9 +211,3 @@ def read_rows(path: Path) -> list[dict]:
             raise GossipError(f"{path}, line {lineno}: expected a JSON object")
         rows.append(row)
     return rows
-
-
-def dump_yaml(data: dict) -> str:
-    from topologies.spec import dump_yaml
-
-    return dump_yaml(data)
