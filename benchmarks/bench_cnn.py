@@ -46,10 +46,8 @@ from gossip_pfl.train import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "configs" / "fashion_mnist" / "fedem.yaml"
-#: --conv -> (models.CONV_AS_PRODUCTS, models.PATCHES_BATCH_LAST) (auto: the module's own)
-EVERY = ("cpu", "cuda")
-CONV_FORMS = {"auto": None, "groups": ((), ()), "products": (EVERY, ()),
-              "products-last": (EVERY, EVERY)}  # fmt: skip
+#: --conv -> models.CONV_AS_PRODUCTS (auto: the module's own, by device)
+CONV_FORMS = {"auto": None, "groups": (), "products": ("cpu", "cuda")}
 #: mode -> (runtime.precision, runtime.tf32)
 MODES = {"float32": ("float32", False), "tf32": ("float32", True), "bf16": ("bf16", False)}
 
@@ -259,8 +257,7 @@ def main() -> None:
                     "phases")  # fmt: skip
     ap.add_argument("--conv", default="auto",
                     help="the convolutions' forms, side by side: auto (the device's), groups, "
-                    "products (gossip_pfl.models.conv_blocks), products-last (its images' "
-                    "batch axis last: models.PATCHES_BATCH_LAST)")  # fmt: skip
+                    "products (gossip_pfl.models.conv_blocks)")  # fmt: skip
     ap.add_argument("--step-graphs", default="off",
                     help="runtime.cuda_graph_steps, side by side: off, on or off,on")  # fmt: skip
     ap.add_argument("--no-floor", action="store_true", help="skip the one-model floor")
@@ -281,11 +278,11 @@ def main() -> None:
         ap.error(f"--step-graphs: {args.step_graphs!r}; known: off, on, off,on")
     graphs = [graph_set[g] for g in args.step_graphs.split(",")]
 
-    own = (models.CONV_AS_PRODUCTS, models.PATCHES_BATCH_LAST)
+    own = models.CONV_AS_PRODUCTS
     devices = {c: own if CONV_FORMS[c] is None else CONV_FORMS[c] for c in convs}
     rows = []
     for conv in convs:
-        models.CONV_AS_PRODUCTS, models.PATCHES_BATCH_LAST = devices[conv]
+        models.CONV_AS_PRODUCTS = devices[conv]
         for mode, graphed in ((m, g) for m in modes for g in graphs):
             row, trainer = fedem_round(args, args.peers, mode, graphed)
             row["conv"] = conv
@@ -301,7 +298,7 @@ def main() -> None:
             del trainer
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-    models.CONV_AS_PRODUCTS, models.PATCHES_BATCH_LAST = devices[convs[0]]
+    models.CONV_AS_PRODUCTS = devices[convs[0]]
     scale = most_peers(args, modes[0]) if args.max_peers else []
     for row in scale:
         row["conv"] = convs[0]

@@ -7,8 +7,6 @@ several layouts side by side:
 - ``channels_last``: the same grouped convolutions on channels-last tensors;
 - ``products``: each convolution as one batched matrix product over image patches (the GPU's
   form, ``gossip_pfl.models.conv_blocks``);
-- ``products_last``: the same with the images' batch axis last in each group, (N, C, H, W, B)
-  (``models.PATCHES_BATCH_LAST``): the patches' copy reads longer runs;
 
 each in float32 and under bf16 autocast, then a profile of a step in each of the model's two
 forms, by operator. Every variant's float32 gradients are compared with those of ``groups``
@@ -42,18 +40,16 @@ from gossip_pfl.models import FedEMCNN, batched_linear
 Forward = Callable[[dict[str, torch.Tensor], torch.Tensor], torch.Tensor]
 
 
-def conv_on(devices: tuple[str, ...], batch_last: tuple[str, ...] = ()) -> Forward:
-    """FedEMCNN.batched_forward with models.CONV_AS_PRODUCTS set to ``devices`` (and
-    models.PATCHES_BATCH_LAST to ``batch_last``) for the forward (the backward follows the
-    graph it made)."""
+def conv_on(devices: tuple[str, ...]) -> Forward:
+    """FedEMCNN.batched_forward with models.CONV_AS_PRODUCTS set to ``devices`` for the
+    forward (the backward follows the graph it made)."""
 
     def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        saved = models.CONV_AS_PRODUCTS, models.PATCHES_BATCH_LAST
-        models.CONV_AS_PRODUCTS, models.PATCHES_BATCH_LAST = devices, batch_last
+        saved, models.CONV_AS_PRODUCTS = models.CONV_AS_PRODUCTS, devices
         try:
             return FedEMCNN.batched_forward(params, x)
         finally:
-            models.CONV_AS_PRODUCTS, models.PATCHES_BATCH_LAST = saved
+            models.CONV_AS_PRODUCTS = saved
 
     return forward
 
@@ -80,7 +76,6 @@ VARIANTS = {
     "groups": conv_on(()),
     "channels_last": channels_last,
     "products": conv_on(("cpu", "cuda")),
-    "products_last": conv_on(("cpu", "cuda"), ("cpu", "cuda")),
 }
 
 
@@ -182,7 +177,7 @@ def main() -> None:
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    for name in ("groups", "products", "products_last"):
+    for name in ("groups", "products"):
         with profile(activities=acts) as prof:
             step(VARIANTS[name], params, x, y, False)
             if device.type == "cuda":

@@ -11,7 +11,6 @@
 #   benchmarks/gpu_kit.sh bench     # there: synthetic 200 rounds, operations, the CNN
 #   benchmarks/gpu_kit.sh all       # there: both in one call (shorter limits; 15-minute leases)
 #   benchmarks/gpu_kit.sh cnn       # there: the CNN's two forms of convolutions (4 to 8 minutes)
-#   benchmarks/gpu_kit.sh layout    # there: the suite, then the products' two layouts (4 minutes)
 #
 # The synthetic runs and the CNN's rounds are also timed on the $BASE tree (below), archived
 # by `prepare`, side by side in the same call.
@@ -212,26 +211,15 @@ case "${1:-}" in
             --modes float32,bf16 --conv groups --no-floor --json /tmp/bench_cnn_groups.json
         cnn_base 60
         ;;
-    layout)
-        # the products' two layouts side by side (models.PATCHES_BATCH_LAST), after the
-        # suite: one step in each form, then FedEM rounds with step graphs (about 4 minutes)
-        install
-        stage tests 120 $PY -m pytest -n 12 --maxprocesses 12 -rs -q --durations=8
-        export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
-        stage conv 60 $PY benchmarks/bench_conv.py --device $DEV --iters 10 --no-profile
-        stage cnn 130 $PY benchmarks/bench_cnn.py --device $DEV --rounds 3 --modes float32,bf16 \
-            --step-graphs on --conv products,products-last,products,products-last --no-floor \
-            --json "$OUT/bench_cnn.json"
-        ;;
     *)
-        echo "usage: benchmarks/gpu_kit.sh prepare|test|bench|all|cnn|layout|sources" >&2
+        echo "usage: benchmarks/gpu_kit.sh prepare|test|bench|all|cnn|sources" >&2
         exit 2
         ;;
 esac
 # the device tool brings back at most 8 files from $OUT (`all` writes 13): past that, the
 # checks' logs go back as one archive (a call stopped before this point leaves them as they are)
 case "${1:-}" in
-    test | bench | all | cnn | layout)
+    test | bench | all | cnn)
         n=$(find "$OUT" -maxdepth 1 -type f | wc -l)
         if [ "$n" -gt 8 ] && tar czf /tmp/gpu_kit_out.tgz -C "$OUT" . &&
             mv /tmp/gpu_kit_out.tgz "$OUT/gpu_kit_out.tgz"; then

@@ -94,11 +94,6 @@ CONV_AS_PRODUCTS = ("cuda",)
 #: makes at most; more goes in slices of groups. This bounds the no-grad calls (the E-step,
 #: evaluation); in training autograd keeps every slice's patches for the weights' gradient.
 PATCH_BYTES = 2 << 30
-#: devices on which conv_blocks' products keep the images' batch axis last, (N, C, H, W, B)
-#: instead of (N, C, B, H, W): the patches' copy then reads runs of W' * B floats instead of
-#: W' (8 for the CNN's second conv), and the pooling reads the product as channels-last
-#: images. Off until a GPU times it beside the other layout (benchmarks/bench_conv.py).
-PATCHES_BATCH_LAST: tuple[str, ...] = ()
 #: a CPU's first conv runs as products (:func:`_first_block_by_products`) when its patches
 #: take at most this many bytes (larger calls, the evaluation's, keep the grouped conv's
 #: memory) and hold at most this many rows per output channel (copying wider patches, 3-channel
@@ -180,40 +175,30 @@ def _first_block_by_products(
 
 def _conv_blocks_by_products(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     """:func:`conv_blocks` as batched matrix products, the images' batch axis inside each
-    group's (N, C, B, H, W), or last, (N, C, H, W, B) (``PATCHES_BATCH_LAST``), so that no
-    layout changes between the blocks."""
+    group's (N, C, B, H, W) so that no layout changes between the blocks."""
     w1, w2 = params["conv1.weight"], params["conv2.weight"]
     L, M, c1 = w1.shape[:3]
     c2 = w2.shape[2]
-    last = x.device.type in PATCHES_BATCH_LAST
     # conv1: one group per peer, its M components' c1 channels as M * c1 outputs
-    h = x.permute(0, 2, 3, 4, 1).contiguous() if last else x.transpose(1, 2)
-    h = _conv_pool_relu(h, w1.flatten(1, 2), params["conv1.bias"].flatten(1), last)
+    h = _conv_pool_relu(
+        x.transpose(1, 2), w1.flatten(1, 2), params["conv1.bias"].flatten(1)
+    )  # (L, M*c1, B, h, w)
     # conv2: one group per (peer, component)
     h = _conv_pool_relu(
         h.unflatten(1, (M, c1)).flatten(0, 1),
         w2.flatten(0, 1),
         params["conv2.bias"].flatten(0, 1),
-        last,
-    )  # (L*M, c2, B, h, w), or (L*M, c2, h, w, B)
-    if last:  # (the dense layer's product reads the transposed features as they are)
-        return h.reshape(L, M, -1, h.shape[-1]).transpose(2, 3)
+    )  # (L*M, c2, B, h, w)
     B = h.shape[2]
     return h.reshape(L, M, c2, B, -1).transpose(2, 3).reshape(L, M, B, -1)
 
 
-def _conv_pool_relu(
-    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, batch_last: bool = False
-) -> torch.Tensor:
+def _conv_pool_relu(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """h (N, C, B, H, W), weight (N, O, C, k, k), bias (N, O) -> ReLU(2x2 max-pool(conv))
     (N, O, B, H', W') for square kernels, stride 1, no padding (the CNN's and LeNet's), group
     by group: each group's patches (C*k*k, B*Ho*Wo) times its (O, C*k*k) weights, in slices
-    of groups whose patches and products fit ``PATCH_BYTES``. ``batch_last``: h (N, C, H, W,
-    B) -> (N, O, H', W', B), the patches (C*k*k, Ho*Wo*B)."""
-    if batch_last:
-        N, C, H, W, B = h.shape
-    else:
-        N, C, B, H, W = h.shape
+    of groups whose patches and products fit ``PATCH_BYTES``."""
+    N, C, B, H, W = h.shape
     O, k = weight.shape[1], weight.shape[-1]
     Ho, Wo = H - k + 1, W - k + 1
     h = h.to(_product_dtype(h))
@@ -228,16 +213,10 @@ def _conv_pool_relu(
     for part, w, b in slices:
         n = part.shape[0]
         # every k x k window as a view, then one copy in the product's layout
-        windows = _windows_batch_last(part, k) if batch_last else _windows(part, k)
-        patches = windows.reshape(n, C * k * k, B * Ho * Wo)
+        patches = _windows(part, k).reshape(n, C * k * k, B * Ho * Wo)
         out = torch.baddbmm(b.unsqueeze(-1), w.reshape(n, O, C * k * k), patches)
-        if batch_last:  # (n*O, B, Ho, Wo) with channels-last strides, pooled as they are
-            out = torch.max_pool2d(out.view(n * O, Ho, Wo, B).permute(0, 3, 1, 2), 2)
-            out = torch.relu_(out).permute(0, 2, 3, 1)  # (n*O, Ho/2, Wo/2, B)
-            outs.append(out.reshape(n, O, *out.shape[1:]))
-        else:
-            out = torch.max_pool2d(out.view(n * O, B, Ho, Wo), 2)
-            outs.append(torch.relu_(out).view(n, O, B, Ho // 2, Wo // 2))
+        out = torch.max_pool2d(out.view(n * O, B, Ho, Wo), 2)
+        outs.append(torch.relu_(out).view(n, O, B, Ho // 2, Wo // 2))
     return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
@@ -245,12 +224,6 @@ def _windows(h: torch.Tensor, k: int) -> torch.Tensor:
     """Every k x k window (stride 1) of h (N, C, B, H, W) as a view (N, C, k, k, B, Ho, Wo):
     copied, one plane of (B, Ho, Wo) per window position, the patches of a product."""
     return h.unfold(3, k, 1).unfold(4, k, 1).permute(0, 1, 5, 6, 2, 3, 4)
-
-
-def _windows_batch_last(h: torch.Tensor, k: int) -> torch.Tensor:
-    """:func:`_windows` of h (N, C, H, W, B): (N, C, k, k, Ho, Wo, B), its last two axes one
-    run of Wo * B floats in h."""
-    return h.unfold(2, k, 1).unfold(3, k, 1).permute(0, 1, 5, 6, 2, 3, 4)
 
 
 def _product_dtype(x: torch.Tensor) -> torch.dtype:

@@ -493,17 +493,11 @@ def test_cpu_first_convolution_form_follows_its_patches(
     ],
 )
 @pytest.mark.parametrize("slices", ["one-product", "per-group", "uneven"])
-@pytest.mark.parametrize("batch_last", [False, True], ids=["batch inside", "batch last"])
-def test_convolutions_as_products_equal_the_plain_model(
-    monkeypatch, name, shape, options, slices, batch_last
-):
+def test_convolutions_as_products_equal_the_plain_model(monkeypatch, name, shape, options, slices):
     """The GPU's form of the convolutions (batched products over image patches, in slices of
-    groups past PATCH_BYTES: one, one group each, or 4 + 2 of the second conv's 6 groups; the
-    images' batch axis inside each group or last), run here on the CPU, gives the
-    per-(peer, component) nn.Module's outputs and gradients."""
+    groups past PATCH_BYTES: one, one group each, or 4 + 2 of the second conv's 6 groups), run
+    here on the CPU, gives the per-(peer, component) nn.Module's outputs and gradients."""
     from gossip_pfl import models
-
-    monkeypatch.setattr(models, "PATCHES_BATCH_LAST", ("cpu",) if batch_last else ())
 
     # the helper's 3 peers x 2 components x 5 samples, float64: the second conv's patches
     model = models.build_model(name, shape, 4, **options)
