@@ -210,7 +210,10 @@ def measure(name: str, config: Path, overrides: list[str], rounds: int, gpu: boo
 
 def _measure(name, config, overrides, rounds, gpu, cfg) -> dict:
     trainer = Trainer(cfg, log=lambda *a: None)
-    warm = 3 if gpu else 1  # warm-up: plans, caches, first allocations; the graphs' first calls
+    # warm-up: plans, caches, first allocations; where graphs are captured (simulated, or on
+    # a GPU) their first calls: a GPU's count at one warm round was a capture round's (248
+    # operations for the synthetic D-FedEM on an H200, lease 5)
+    warm = 3 if gpu or trainer.device.type == "cuda" else 1
     ops = round_ops(trainer, gpu, warm)  # (one round's: exact)
     times = []
     for t in range(warm + 1, warm + 1 + rounds):
