@@ -24,9 +24,8 @@ KIT=.gpu_kit
 PY=${PYTHON:-python3}
 OUT=${OUT:-runs/gpu_kit}
 ANCHOR=5e626a6  # the speed issue's anchor: 15.5 s for 200 synthetic rounds on an H100
-BASE=74a0301  # the last tree timed on a GPU (the fourth lease, an H200): before the round's
-              # plan went up through page-locked buffers and the evaluation lost its index_put_,
-              # and before the CNN's steps could run as CUDA graphs (runtime.cuda_graph_steps)
+BASE=59c9f43  # the last tree timed on a GPU (the fifth lease, an H200: docs/speed-notes.md;
+              # 74a0301 before it)
 
 # cvxpy 1.6 (not 1.9: its extra solvers would not fit the carry) with SCS and Clarabel for
 # the FMMC weights, pyzmq for the peer-to-peer transport, pytest >= 8.4 (pyproject.toml's
