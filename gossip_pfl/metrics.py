@@ -24,6 +24,20 @@ def score_entries(train: tuple, test: tuple) -> dict:
     }
 
 
+def unseen_entries(acc: np.ndarray, counts: np.ndarray) -> dict:
+    """The unseen clients' mean and 10th-percentile test accuracy, over those with test
+    samples (one without has no accuracy; it is not 0); empty if none has any.
+
+    >>> unseen_entries(np.array([0.5, 0.0, 1.0]), np.array([4, 0, 2]))
+    {'unseen_test_accuracy': 0.75, 'unseen_test_accuracy_p10': 0.55}
+    """
+    has = counts > 0
+    if not has.any():
+        return {}
+    return {"unseen_test_accuracy": float(np.mean(acc[has])),
+            "unseen_test_accuracy_p10": float(np.percentile(acc[has], 10))}  # fmt: skip
+
+
 def _weighted(values: np.ndarray, counts: np.ndarray) -> float:
     return float((values * counts).sum() / max(counts.sum(), 1))
 

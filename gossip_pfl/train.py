@@ -31,7 +31,7 @@ from gossip_pfl.algorithms.rules import Average, Inbox, build_rule, check_rule, 
 from gossip_pfl.config import RuleConfig, RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop
-from gossip_pfl.metrics import recovery_entry, score_entries
+from gossip_pfl.metrics import recovery_entry, score_entries, unseen_entries
 from gossip_pfl.models import build_model, check_model_reads
 from gossip_pfl.runtime.comm import (
     comm_from_config,
@@ -181,9 +181,6 @@ class Trainer(RoundLoop):
         self.train_ids, self.unseen_ids = client_ids(dataset)
         n = len(self.train_ids)
         sizes = np.array([len(dataset.clients[i].y_train) for i in self.train_ids])
-        if not sum(dataset.clients[i].size("test") for i in self.train_ids):
-            raise GossipError(f"dataset '{dataset.name}': no test samples (data.n_test, or the "
-                              "test share of data.split): nothing to evaluate")  # fmt: skip
         self.n_peers = n
         self.data_state()  # the checkpoints' data digest, now rather than in the rounds' time
         self.M = 1 if self.spec.single_model else cfg.algorithm.components
@@ -1057,7 +1054,8 @@ class Trainer(RoundLoop):
     def evaluate_unseen(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Clients held out of training: download the peers' average components, keep them
         fixed, fit pi by EM on the client's own training data (to convergence, or one step
-        from uniform as in the paper), then evaluate. No data: uniform pi. Under Clustered
+        from uniform as in the paper), then evaluate (every client has training data:
+        :func:`client_ids`). Under Clustered
         FL a client takes the cluster model of least loss on its training data instead."""
         n_unseen = len(self.unseen_ids)
         theta = self.nodes[: len(self.peers)].double().sum(0)
@@ -1362,8 +1360,7 @@ class Trainer(RoundLoop):
         }
         if len(self.unseen_ids):
             _, acc, n = self.evaluate_unseen()
-            row["unseen_test_accuracy"] = float(np.mean(acc))
-            row["unseen_test_accuracy_p10"] = float(np.percentile(acc, 10))
+            row.update(unseen_entries(acc, n))
         return row
 
     def mixture_usage(self) -> dict:

@@ -245,6 +245,13 @@ runtime: {device: cpu}
         (["data.unseen_fraction=1.5"], ["data.unseen_fraction", "[0, 1)"]),
         (["pefll.descriptor_batch=500"], ["pefll.descriptor_batch", "client"]),
         (["model.name=lstm"], ["model.name 'lstm' reads token ids", "fashion_mnist"]),
+        # (it reported accuracies of 0 / 0 as 0.0, where the model runs refused it)
+        (["data.split=[1.0,0.0,0.0]"], ["no test samples"]),
+        # (the last round's update went unchecked: NaN models evaluated and saved)
+        (
+            ["pefll.client_lr=1e30", "rounds=1", "eval.every=1"],
+            ["round 0: the hub's networks became NaN/inf", "pefll.client_lr (now 1e+30)"],
+        ),
     ],
 )
 def test_bad_input_is_one_line_exit_2(overrides, needles, tmp_path, capsys):
@@ -370,3 +377,32 @@ def test_hidden_layers_sets_the_hypernetworks_depth(layers, tmp_path):
     assert sum(isinstance(m, nn.Linear) for m in r.hyper.module.modules()) == layers + len(client)
     expected = (l + 1) * hidden + (layers - 1) * (hidden + 1) * hidden + (hidden + 1) * P
     assert r.hub_state["eta_h"].numel() == expected
+
+
+def test_a_last_round_that_blows_up_the_hub_is_neither_evaluated_nor_saved(tmp_path):
+    """The hub's networks after each update are checked before a log or a checkpoint (the
+    next round's models were checked only in that round, so the last round's NaN models were
+    evaluated as ordinary accuracies and checkpointed)."""
+    with pytest.raises(GossipError, match="round 0: the hub's networks became NaN/inf"):
+        run(config(tmp_path, rounds=1, pefll={"client_lr": 1e30}), images(), log=quiet)
+    assert not (tmp_path / checkpoint.FILE).exists()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_unseen_clients_need_training_data_and_score_only_with_test_data(tmp_path):
+    """An unseen client without training data is refused (its model came from an all-zero
+    descriptor); one without test data has no accuracy, and the unseen clients' mean leaves
+    it out (it counted as 0) as the seen clients' does."""
+    ds = images()
+    c = ds.clients[6]
+    ds.clients[6] = ClientData(c.x_train[:0], c.y_train[:0], c.x_val, c.y_val, c.x_test, c.y_test)
+    with pytest.raises(GossipError, match="unseen client 6 has no training sample"):
+        PeFLLRun(config(tmp_path / "a"), ds, log=quiet)
+    ds = images()
+    c = ds.clients[7]
+    ds.clients[7] = ClientData(c.x_train, c.y_train, c.x_val, c.y_val, c.x_test[:0], c.y_test[:0])
+    r = PeFLLRun(config(tmp_path / "b"), ds, log=quiet)
+    one_round(r, 0)
+    ((_, acc, n),) = r.evaluate(r.unseen_train, [r.unseen_test], r.unseen_pos, 2)
+    assert n.tolist() == [10, 0] and acc[0] > 0
+    assert r.metrics_row(0)["unseen_test_accuracy"] == acc[0]

@@ -45,7 +45,7 @@ from gossip_pfl.algorithms.rules import Inbox, Rule, State
 from gossip_pfl.config import RunConfig, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop
-from gossip_pfl.metrics import score_entries
+from gossip_pfl.metrics import score_entries, unseen_entries
 from gossip_pfl.models import EMBEDDINGS, build_model, check_model_reads
 from gossip_pfl.runtime.comm import gather_rows, init_comm, set_cuda_numerics
 from gossip_pfl.runtime.data import PaddedSplit, RankData, client_ids, round_batches
@@ -230,6 +230,7 @@ class PeFLLRun(RoundLoop):
 
     def __init__(self, cfg: RunConfig, dataset=None, comm=None, log=print):
         self.cfg, self.log, p = cfg, log, cfg.pefll
+        self.updated_round: int | None = None
         unseen = cfg.data.options.get("unseen_fraction", 0.0)
         if isinstance(unseen, bool) or not isinstance(unseen, (int, float)) or not 0 <= unseen < 1:
             raise GossipError(
@@ -415,6 +416,7 @@ class PeFLLRun(RoundLoop):
         if self.comm.rank == 0:
             inbox = Inbox({"hyper_grad": g_h / S, "embed_grad": g_eta_v / S})
             self.hub_state = self.hub.update(inbox, self.hub_state)
+        self.updated_round = t  # (settle checks the update)
 
     def client_embed_grads(self, eta_v, x, y, w, g_v) -> torch.Tensor:
         """The participants of this rank backpropagate their descriptor gradient (A, l)
@@ -498,6 +500,22 @@ class PeFLLRun(RoundLoop):
             out.append([self.to_hub(v.double(), positions, total).cpu().numpy() for v in vals])
         return out
 
+    def settle(self) -> None:
+        """Before a log or a checkpoint: the hub's networks after their last update are
+        finite on every rank, so a round that blew them up is neither evaluated nor saved (the
+        next round's models would be checked only in that round: the last one's never)."""
+        p, t = self.cfg.pefll, self.updated_round
+        if t is None:  # (no update since the start or the checkpoint)
+            return
+        bad = torch.zeros(1, dtype=torch.float64, device=self.device)
+        if self.comm.rank == 0:
+            bad += sum(int(not torch.isfinite(self.hub_state[k]).all()) for k in ("eta_h", "eta_v"))
+        if self.comm.all_reduce_sum(bad).item():
+            raise GossipError(
+                f"round {t}: the hub's networks became NaN/inf; lower pefll.lr "
+                f"(now {p.lr}) or pefll.client_lr (now {p.client_lr})"
+            )
+
     def metrics_row(self, t: int) -> dict:
         train, test = self.evaluate(self.train, [self.train, self.test], self.peers, self.n_peers)
         te_acc = test[1]
@@ -514,10 +532,9 @@ class PeFLLRun(RoundLoop):
             "client_test_accuracy": [round(float(a), 5) for a in te_acc],
         }
         if len(self.unseen_ids):
-            ((_, acc, _),) = self.evaluate(self.unseen_train, [self.unseen_test],
+            ((_, acc, n),) = self.evaluate(self.unseen_train, [self.unseen_test],
                                            self.unseen_pos, len(self.unseen_ids))  # fmt: skip
-            row["unseen_test_accuracy"] = float(np.mean(acc))
-            row["unseen_test_accuracy_p10"] = float(np.percentile(acc, 10))
+            row.update(unseen_entries(acc, n))
         return row
 
     # ---- checkpoints ----------------------------------------------------------------------

@@ -247,18 +247,26 @@ def _stacked(xs: list[np.ndarray], dtype) -> np.ndarray | None:
 
 
 def client_ids(dataset) -> tuple[np.ndarray, np.ndarray]:
-    """(training client ids, unseen client ids) of a dataset: unseen clients only evaluate."""
-    unseen = set(getattr(dataset, "unseen", []) or [])
-    train = np.array([i for i in range(len(dataset.clients)) if i not in unseen])
-    # (a client without one made the size-weighted sums 0 / 0: NaN, blamed on the lr)
-    empty = [int(i) for i in train if len(dataset.clients[i].y_train) == 0]
-    if empty:
-        more = f" (nor do {len(empty) - 1} more)" if len(empty) > 1 else ""
-        raise GossipError(
-            f"data.name {dataset.name!r}: client {empty[0]} has no training sample{more}; "
-            "every training client needs one (see data.val_fraction and the data's split)"
-        )
-    return train, np.array(sorted(unseen), dtype=np.int64)
+    """(training client ids, unseen client ids) of a dataset: unseen clients only evaluate.
+    Every client needs a training sample (an unseen one's model comes from its training data:
+    PeFLL's descriptor, FedEM's E-step, Clustered FL's nearest cluster), and the training
+    clients a test sample between them."""
+    unseen = np.array(sorted(set(getattr(dataset, "unseen", []) or [])), dtype=np.int64)
+    train = np.setdiff1d(np.arange(len(dataset.clients)), unseen)
+    for ids, who in ((train, "client"), (unseen, "unseen client")):
+        # (a training client without one made the size-weighted sums 0 / 0: NaN, blamed on
+        # the lr; an unseen one got the model of an all-zero descriptor)
+        empty = [int(i) for i in ids if len(dataset.clients[i].y_train) == 0]
+        if empty:
+            more = f" (nor do {len(empty) - 1} more)" if len(empty) > 1 else ""
+            raise GossipError(
+                f"data.name {dataset.name!r}: {who} {empty[0]} has no training sample{more}; "
+                "every client needs one (see data.val_fraction and the data's split)"
+            )
+    if not sum(dataset.clients[i].size("test") for i in train):  # (accuracies of 0 / 0)
+        raise GossipError(f"dataset '{dataset.name}': no test samples (data.n_test, or the "
+                          "test share of data.split): nothing to evaluate")  # fmt: skip
+    return train, unseen
 
 
 @dataclass
