@@ -258,7 +258,7 @@ def main() -> None:
     ap.add_argument("--conv", default="auto",
                     help="the convolutions' forms, side by side: auto (the device's), groups, "
                     "products (gossip_pfl.models.conv_blocks)")  # fmt: skip
-    ap.add_argument("--step-graphs", default="off",
+    ap.add_argument("--step-graphs", default="on",
                     help="runtime.cuda_graph_steps, side by side: off, on or off,on")  # fmt: skip
     ap.add_argument("--no-floor", action="store_true", help="skip the one-model floor")
     ap.add_argument("--json", type=Path, default=ROOT / "runs" / "bench_cnn.json")
