@@ -443,6 +443,9 @@ def _check_expfam_read(e: ExpFamConfig, name: str) -> None:
         "components": (e.model != "imputation", "the mixture models (imputation has a rank)"),
         "rank": (e.model == "imputation", "expfam.model imputation"),
         "k_in": ("vr_fedem" in name, "VR-FedEM (vr_fedem, gossip_vr_fedem)"),
+        # naive EM keeps no memory: its S moves by the plain average
+        "alpha": (name != "naive_em", "the memories of every rule but naive_em"),
+        "init_memory": (name != "naive_em", "the memories of every rule but naive_em"),
     }
     for key, (read, by) in readers.items():
         if getattr(e, key) != getattr(d, key) and not read:

@@ -259,6 +259,16 @@ def test_bad_input_is_a_one_line_error_naming_the_key(override, key, tmp_path, c
         (["expfam.gamma=1e200", "expfam.model=gmm_diag"], "round 1: the statistics S became"),
         (["expfam.clients=1", "expfam.samples=2"], "the model at start is singular on this "
                                                    "data (2 samples in all, dimension 2)"),
+        # a feature observed nowhere: its mean was NaN, then a traceback (the memories' start
+        # h_i(S_0) was outside the error's reach) or, with zero memories, advice on gamma
+        *[(["expfam.data=lowrank", "expfam.model=imputation", "expfam.dim=4", "expfam.rank=1",
+            "expfam.missing=0.5", "expfam.clients=1", "expfam.samples=3", "seed=1",
+            f"expfam.init_memory={init}"], "feature 1 is missing in every sample")
+          for init in ("h", "zero")],
+        # a full pass (batch 0) was told to raise its batch
+        (["expfam.gamma=1e200", "expfam.batch=0"], "singular model (a covariance that is not "
+                                                   "positive definite): lower expfam.gamma "
+                                                   "(now 1e+200)\n"),
     ],
 )  # fmt: skip
 def test_em_leaving_the_valid_set_stops_with_one_line(overrides, message, tmp_path, capsys):
@@ -278,8 +288,20 @@ def test_em_leaving_the_valid_set_stops_with_one_line(overrides, message, tmp_pa
     for o in overrides:
         args += ["--set", o]
     assert main(args) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    err = capsys.readouterr().err.splitlines(keepends=True)  # (a message may end the line)
     assert len(err) == 1 and message in err[0], err
+
+
+@pytest.mark.parametrize("key", ["expfam.alpha=0.5", "expfam.init_memory=zero"])
+def test_naive_em_refuses_the_memories_keys(key, tmp_path, capsys):
+    """naive_em keeps no memories: their step and start were silently ignored (k_in, which
+    only VR-FedEM reads, was refused)."""
+    args = ["run", _config_file(tmp_path), "--out", str(tmp_path / "run"), "--set",
+            "algorithm.name=naive_em", "--set", key]  # fmt: skip
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"config key '{key.split('=')[0]}'" in err[0], err
+    assert "every rule but naive_em" in err[0], err
 
 
 def test_plot_of_an_em_run_draws_its_own_figure(tmp_path, capsys):

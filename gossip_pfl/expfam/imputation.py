@@ -154,6 +154,13 @@ def initial_lowrank(x: torch.Tensor, r: int) -> LowRankParams:
     y = x.reshape(-1, x.shape[-1])
     y = y[~torch.isnan(y).all(-1)]
     mu = torch.nanmean(y, 0)
+    unseen = torch.isnan(mu).nonzero()[:, 0].tolist()
+    if unseen:  # (its mean, and every statistic after it, would be NaN)
+        more = f" (and {len(unseen) - 1} more)" if len(unseen) > 1 else ""
+        raise GossipError(
+            f"feature {unseen[0]}{more} is missing in every sample: give the clients more "
+            "samples (expfam.samples) or lower expfam.missing"
+        )
     yc = torch.where(torch.isnan(y), torch.zeros_like(y), y - mu)
     lam, U = torch.linalg.eigh(yc.T @ yc / len(yc))
     lam, U = lam.flip(0), U.flip(1)

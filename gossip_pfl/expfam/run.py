@@ -201,20 +201,23 @@ class ExpFamRun(RoundLoop):
         self.mask = self.data.mask[self.peers].to(dev)
         self.N = int(self.data.counts.sum())
 
-        # S_0: one E-step at the initial parameters; V_{0,i} = h_i(S_0) (2 N expectations)
+        # S_0: one E-step at the initial parameters; V_{0,i} = h_i(S_0) (2 N expectations);
+        # T(S_0) is the first round's model whatever the memories start at: a singular one
+        # is the start's fault, not the step size's
+        L = len(self.peers)
         try:
             S0 = self.weighted_sum(self.full_means(theta0(cfg.seed)))
+            means = self.full_means(self.model.T(S0))
         except torch.linalg.LinAlgError:
             raise GossipError(
                 f"the model at start is singular on this data ({self.N} samples in all, "
                 f"dimension {self.x.shape[-1]}): give the clients more samples (expfam.samples, "
                 f"expfam.clients) or fewer components (expfam.components)"
             ) from None
-        L = len(self.peers)
         if naive or e.init_memory == "zero":
             V_i = torch.zeros(L, self.q, dtype=DTYPE, device=dev)
         else:
-            V_i = self.full_means(self.model.T(S0)) - S0
+            V_i = means - S0
         self.V_i = V_i
         self.S = S0.expand(L, -1).clone()  # each worker's copy of the statistics
         self.S_prev = self.S.clone()  # VR-FedEM: S_{t,k-1}
@@ -292,10 +295,10 @@ class ExpFamRun(RoundLoop):
             raise self._singular(t + 1) from None
 
     def _singular(self, rnd: int) -> GossipError:
+        batch = f" or raise expfam.batch (now {self.e.batch})" if self.e.batch else ""
         return GossipError(
             f"round {rnd}: the statistics S map to a singular model (a covariance that is "
-            f"not positive definite): lower expfam.gamma (now {self.e.gamma}) or raise "
-            f"expfam.batch (now {self.e.batch})"
+            f"not positive definite): lower expfam.gamma (now {self.e.gamma}){batch}"
         )
 
     def _local_work(self, t: int, active: np.ndarray | None) -> None:
