@@ -360,3 +360,18 @@ def test_init_memory_sets_the_workers_first_memories(init, tmp_path):
     torch.testing.assert_close(run.V_i, V1, rtol=0, atol=1e-12)
     torch.testing.assert_close(run.hub["V"][0], (w * V1).sum(0), rtol=0, atol=1e-12)
     torch.testing.assert_close(run.hub["S"][0], S0 + gamma * (w * h).sum(0), rtol=0, atol=1e-12)
+
+
+def test_a_run_whose_statistics_were_projected_says_so(tmp_path, capsys):
+    """Steps too large for the model: S leaves the M-step's domain and is projected back
+    (a degenerate fit, exit 0); the count was in the summary alone, now a warning says so.
+    A run that never projects prints none."""
+    args = ["run", _config_file(tmp_path), "--quiet", "--no-plots", "--set", "rounds=6",
+            "--set", "expfam.clients=10", "--set", "expfam.samples=30"]  # fmt: skip
+    assert main([*args, "--out", str(tmp_path / "a")]) == 0
+    assert "warning" not in capsys.readouterr().err
+    assert main([*args, "--out", str(tmp_path / "b"), "--set", "expfam.gamma=100"]) == 0
+    summary = json.loads((tmp_path / "b" / "summary.json").read_text())
+    err = capsys.readouterr().err.strip().splitlines()
+    assert summary["projected"] > 0 and len(err) == 1, err
+    assert f"in {summary['projected']} updates and was projected back" in err[0]
