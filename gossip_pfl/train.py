@@ -1055,8 +1055,8 @@ class Trainer(RoundLoop):
         """Clients held out of training: download the peers' average components, keep them
         fixed, fit pi by EM on the client's own training data (to convergence, or one step
         from uniform as in the paper), then evaluate (every client has training data:
-        :func:`client_ids`). Under Clustered
-        FL a client takes the cluster model of least loss on its training data instead."""
+        :func:`client_ids`). Under Clustered FL a client takes the cluster model of least
+        loss on its training data instead."""
         n_unseen = len(self.unseen_ids)
         theta = self.nodes[: len(self.peers)].double().sum(0)
         theta_bar = (self.comm.all_reduce_sum(theta) / self.n_peers).to(self.nodes.dtype)

@@ -2,8 +2,8 @@
 round with its inputs copied into the graph's own buffers, so the host launches one graph where
 it launched dozens of kernels (a synthetic round's SGD steps: 1.66 ms of launches, 0.47 ms
 replayed, on an H200; docs/speed-notes.md). ``runtime.cuda_graphs`` (on by default) takes the
-binary linear model's steps this way; ``runtime.cuda_graph_steps`` (on by default since
-lease 5 timed it) an autograd model's local steps, a graph per step shape."""
+binary linear model's steps this way; ``runtime.cuda_graph_steps`` (on by default too) an
+autograd model's local steps, a graph per step shape."""
 
 from __future__ import annotations
 
