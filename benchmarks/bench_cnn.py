@@ -137,7 +137,7 @@ def profile_round(trainer: Trainer, t: int, rows: int = 25) -> str:
     try:
         for cls, name, label in phases:
             setattr(cls, name, labelled(getattr(cls, name), label))
-        with profile(activities=acts) as prof:
+        with profile(activities=acts, record_shapes=True) as prof:
             trainer.local_work(t)
             sync(device)
     finally:
@@ -154,7 +154,32 @@ def profile_round(trainer: Trainer, t: int, rows: int = 25) -> str:
     lines = [f"{e.key}: {e.cpu_time_total / 1e3:.1f} ms on the host"
              + (f", {e.device_time_total / 1e3:.1f} ms on the GPU" if cuda else "")
              + f" ({e.count} calls)" for e in spans]  # fmt: skip
+    # which copies a round's time goes to, by their operands' shapes (lease 5: the strided
+    # copies were 139 of the GPU's 558 ms, and laying the patches out otherwise did not move
+    # them); the steps' own operations (eager steps: graphs hide them)
+    time_of = (lambda e: e.device_time_total) if cuda else (lambda e: e.cpu_time_total)
+    copies = sorted((e for e in prof.key_averages(group_by_input_shape=True)
+                     if e.key in COPIES and e.device_type.name == "CPU"),
+                    key=time_of, reverse=True)[:12]  # fmt: skip
+    lines.append("| copy | calls | ms | shapes |\n|---|---|---|---|")
+    lines += [f"| {e.key} | {e.count} | {time_of(e) / 1e3:.1f} | {e.input_shapes} |"
+              for e in copies]  # fmt: skip
     return "\n".join([table, *lines])
+
+
+#: the operations that copy a tensor (``profile_round``'s table of copies by shape)
+COPIES = {
+    "aten::copy_",
+    "aten::clone",
+    "aten::contiguous",
+    "aten::_to_copy",
+    "aten::reshape",
+    "aten::index",
+    "aten::index_select",
+    "aten::gather",
+    "aten::cat",
+    "aten::stack",
+}
 
 
 def floor_epoch(args, trainer: Trainer, mode: str) -> float:
