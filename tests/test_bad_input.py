@@ -531,6 +531,11 @@ def test_torchs_out_of_memory_is_one_line(capsys, monkeypatch):
             r"rounds to 0; more than 0.0833 holds out one\)",
         ),
         (["data.seed=-1"], r"synthetic: option 'seed' must be in \[0, 2\*\*63\) \(got -1\)"),
+        # (the hint above named 0.5 for one client, and more than 0.5 then failed too)
+        (
+            ["data.n_clients=1", "data.unseen_fraction=0.5"],
+            r"unseen_fraction 0.5 of 1 client: holding it out leaves none for training",
+        ),
     ],
 )
 def test_runs_that_went_on_unsaid_are_refused(tmp_path, capsys, sets, pattern, monkeypatch):

@@ -66,6 +66,13 @@ def test_shakespeare_encoding_and_min_samples(tmp_path):
     _write(tmp_path, "test", "t.json", {"HAMLET": {"x": [line, line, line], "y": ["a", "b", "c"]}})
     ds = load_dataset("shakespeare", root=tmp_path)
     assert ds.n_clients == 1  # GHOST has one sample, under min_samples=2
+    # none reaching it was blamed on unseen_fraction ("leaves no client ... out of 0")
+    with pytest.raises(
+        GossipError,
+        match=r"no writer has min_samples = 9 samples \(the most "
+        r"any has: 5\)",
+    ):
+        load_dataset("shakespeare", root=tmp_path, min_samples=9)
     c = ds.clients[0]
     assert c.x_train.dtype == np.int64 and ds.input_shape == (80,) and ds.num_classes == 80
     x = np.concatenate([c.x_train, c.x_val, c.x_test])
@@ -121,6 +128,9 @@ def test_missing_and_bad_files(tmp_path):
         ("femnist", {"u": {"x": [[255.0] * 784], "y": [1]}}, r"pixels span 255..255; LEAF's"),
         ("shakespeare", {"u": {"x": [""], "y": ["a"]}}, "input strings are empty"),
         ("femnist", {"u": {"x": [[0.5] * 784], "y": [1e30]}}, r"labels span 1e\+30..1e\+30"),
+        # a traceback (OverflowError), and a count of pixels for ten labels of five images
+        ("femnist", {"u": {"x": [[0.5] * 784], "y": [10**400]}}, "int too large to convert"),
+        ("femnist", {"u": {"x": [[0.5] * 784] * 5, "y": [[1, 2]] * 5}}, "5 samples but 10 labels"),
     ],
 )
 def test_malformed_leaf_files_are_one_line_errors(tmp_path, kind, users, message):

@@ -65,6 +65,15 @@ def test_fedem_mixture_clients_see_class_groups():
 def test_pathological_class_count():
     parts = partition.pathological(LABELS, 20, 3, seed=0)
     assert all(len(np.unique(LABELS[p])) == 3 for p in parts)
+    # every sample dealt once; fewer class slots than classes dropped classes silently
+    assert np.array_equal(np.sort(np.concatenate(parts)), np.arange(len(LABELS)))
+    with pytest.raises(
+        GossipError,
+        match=r"4 clients x classes_per_client 2 = 8 class slots "
+        r"for 10 classes.*at least 5 clients",
+    ):
+        partition.pathological(LABELS, 4, 2)
+    assert len(partition.pathological(LABELS, 5, 2)) == 5
 
 
 def test_by_writer():

@@ -89,7 +89,8 @@ def test_cache_written_by_another_run_meanwhile_is_kept(tmp_path):
 
 
 @pytest.mark.parametrize("damage", ["another_runs_test", "sizes_that_do_not_add_up",
-                                    "float_labels"])  # fmt: skip
+                                    "float_labels", "float64_inputs",
+                                    "another_runs_unseen"])  # fmt: skip
 def test_a_cache_of_other_shapes_is_regenerated(tmp_path, damage):
     """Files of another run's shapes, or sizes that no longer add up, were read and cut into
     clients wrongly (a client's test set was another's samples), unsaid: the cache is
@@ -102,8 +103,13 @@ def test_a_cache_of_other_shapes_is_regenerated(tmp_path, damage):
     elif damage == "sizes_that_do_not_add_up":
         n = np.load(folder / "n_total.npy")
         np.save(folder / "n_total.npy", n + np.eye(len(n), dtype=n.dtype)[-1] * 5)
-    else:
+    elif damage == "float_labels":
         np.save(folder / "y_fit.npy", np.load(folder / "y_fit.npy") + 0.5)
+    elif damage == "float64_inputs":  # (the last two went unnoticed)
+        np.save(folder / "x_fit.npy", np.load(folder / "x_fit.npy").astype(np.float64))
+    else:
+        other = make_synthetic(**{**SMALL, "unseen_fraction": 0.3}, cache=False)
+        np.save(folder / "unseen.npy", np.array(other.unseen, dtype=np.int64))
     with pytest.warns(UserWarning, match=r"cache .* is damaged \(.*\.npy (has shape|holds)"):
         ds = make_synthetic(**SMALL, cache_dir=tmp_path)
     for u, v in zip(_arrays(ds), _arrays(make_synthetic(**SMALL, cache=False))):

@@ -211,6 +211,9 @@ def _choose_writers(kind: str, data: leaf.LeafData, opts: dict[str, Any]) -> np.
     counts = np.bincount(data.train.writer, minlength=len(data.users))
     counts += np.bincount(data.test.writer, minlength=len(data.users))
     writers = np.flatnonzero(counts >= opts["min_samples"])
+    if not len(writers):  # (else: "unseen_fraction 0.0 leaves no client ... out of 0")
+        raise GossipError(f"{kind}: no writer has min_samples = {opts['min_samples']} samples "
+                          f"(the most any has: {counts.max(initial=0)})")  # fmt: skip
     rng = np.random.default_rng([opts["seed"], 0x1EAF])
     if opts["writer_fraction"] != 1.0:
         if not 0 < opts["writer_fraction"] <= 1:

@@ -144,6 +144,9 @@ def pick_unseen(n_clients: int, fraction: float, seed: int) -> list[int]:
         raise GossipError(
             f"unseen_fraction {fraction} leaves no client for training out of {n_clients}"
         )
+    if fraction > 0 and n_clients < 2:  # (the hint below named a fraction that then failed)
+        raise GossipError(f"unseen_fraction {fraction} of 1 client: holding it out leaves none "
+                          "for training (set unseen_fraction: 0)")  # fmt: skip
     if k == 0 and fraction > 0:  # the unseen clients' figures were missing, unsaid
         least = 0.5 / n_clients
         raise GossipError(f"unseen_fraction {fraction} of {n_clients} clients holds out none "

@@ -159,10 +159,13 @@ def _femnist_arrays(kind: str, user: str, data: dict) -> tuple[np.ndarray, np.nd
     try:
         x = np.asarray(data["x"], dtype=np.float32)
         labels = np.asarray(data["y"], dtype=np.float64).reshape(-1)
-    except (ValueError, TypeError) as e:  # TypeError: a sample that is a mapping
+    # TypeError: a sample that is a mapping; OverflowError: a number past float range
+    except (ValueError, TypeError, OverflowError) as e:
         raise GossipError(f"{kind}: user {user!r}: samples are not 784-pixel images ({e})") from e
-    if len(x) != len(labels) or x.size != 784 * len(labels):  # (1,568 pixels a sample were
-        per = x.size / max(len(x), 1)  # cut into two images, the labels no longer theirs)
+    if len(x) != len(labels):  # (a label that is a list: ten labels for five images)
+        raise GossipError(f"{kind}: user {user!r}: {len(x)} samples but {len(labels)} labels")
+    if x.size != 784 * len(labels):  # (1,568 pixels a sample were cut into two images, the
+        per = x.size / max(len(x), 1)  # labels no longer theirs)
         raise GossipError(f"{kind}: user {user!r}: samples of {per:g} pixels, expected 784 "
                           "(28 x 28)")  # fmt: skip
     x = x.reshape(-1, 1, 28, 28)

@@ -94,6 +94,14 @@ def pathological(
             f"pathological: classes_per_client must be in 1..{len(classes)}, "
             f"got {classes_per_client}"
         )
+    slots = n_clients * classes_per_client
+    if slots < len(classes):  # (a class nobody holds was dropped, its samples with it)
+        raise GossipError(
+            f"pathological: {n_clients} clients x classes_per_client {classes_per_client} = "
+            f"{slots} class slots for {len(classes)} classes: a class would be held by no "
+            f"client; use at least {-(-len(classes) // classes_per_client)} clients or more "
+            "classes_per_client"
+        )
     rng = np.random.default_rng(seed)
     order = rng.permutation(classes)
     holders: dict[int, list[int]] = {int(c): [] for c in classes}
@@ -102,8 +110,6 @@ def pathological(
             holders[int(order[(t * classes_per_client + j) % len(classes)])].append(t)
     parts: list[list[np.ndarray]] = [[] for _ in range(n_clients)]
     for c, clients in holders.items():
-        if not clients:
-            continue  # more classes than slots: this class is left out
         samples = rng.permutation(np.flatnonzero(labels == c))
         for t, chunk in zip(clients, np.array_split(samples, len(clients))):
             parts[t].append(chunk)

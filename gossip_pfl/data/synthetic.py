@@ -346,3 +346,11 @@ def _check_shapes(a: dict[str, np.ndarray], args: dict) -> None:
     for key in ("n_total", "n_val", "y_fit", "y_test", "unseen"):
         if a[key].dtype.kind not in "iu":
             raise ValueError(f"{key}.npy holds {a[key].dtype}, not integers")
+    for key in ("x_fit", "x_test"):
+        if a[key].dtype != np.float32:
+            raise ValueError(f"{key}.npy holds {a[key].dtype}, not float32")
+    # the held-out clients are a pure function of the arguments: another run's file is seen
+    unseen = pick_unseen(T, args["unseen_fraction"], args["seed"])
+    if not np.array_equal(a["unseen"], unseen):
+        raise ValueError(f"unseen.npy holds clients {a['unseen'].tolist()[:4]}..., not these "
+                         "arguments' held-out clients")  # fmt: skip
