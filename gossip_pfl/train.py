@@ -24,7 +24,13 @@ import numpy as np
 import torch
 
 from gossip_pfl import checkpoint
-from gossip_pfl.algorithms import AlgorithmSpec, build_solver, build_surrogate, get_algorithm
+from gossip_pfl.algorithms import (
+    RULE_KEYS,
+    AlgorithmSpec,
+    build_solver,
+    build_surrogate,
+    get_algorithm,
+)
 from gossip_pfl.algorithms.losses import num_outputs, sample_loss
 from gossip_pfl.algorithms.mixture import MixtureSurrogate, fit_mixture_weights
 from gossip_pfl.algorithms.rules import Average, Inbox, build_rule, check_rule, gossip_rules
@@ -325,6 +331,7 @@ class Trainer(RoundLoop):
             self.forward.warm_up("personal_round")
         self.outbox = None
         self._finite_pending = None  # a queued _check_finite
+        self._mixed_round: int | None = None  # the last round whose communicate ran
         self._finite_host = None
 
     def _compiling(self) -> None:
@@ -759,7 +766,8 @@ class Trainer(RoundLoop):
 
             def trial(x, y, sw, mean, last: bool) -> None:
                 def loss_at(cand, _sub):  # (every peer of the step)
-                    return self.surrogate.shared_loss(self, cand, x, y, sw) * mean
+                    loss = self.surrogate.shared_loss(self, cand, x, y, sw) * mean
+                    return loss if anchor is None else loss + solver.prox_loss(cand, anchor[sel])
 
                 solver.trial(theta[sel], s, loss_at, last)
 
@@ -927,6 +935,7 @@ class Trainer(RoundLoop):
             self.nodes = theta
         else:  # a view of wider message rows: copied into the stack, which keeps its place
             self.nodes.copy_(theta)  # (a CUDA graph keyed on its address then stays valid)
+        self._mixed_round = t  # (settle checks what the rule made)
         if self.client is not None:
             mine = {k: v[:L] for k, v in received.items()}
             self.client_state = self.client.receive(self.client_state, mine)
@@ -1236,6 +1245,12 @@ class Trainer(RoundLoop):
 
     def settle(self) -> None:
         self._finite_checked()
+        # the models the last round's rule made: the next round's local work checks them,
+        # but a log or a checkpoint comes first (the last round's were never checked)
+        t, self._mixed_round = self._mixed_round, None
+        if t is not None:
+            self._check_finite(t, self.nodes[: len(self.peers)])
+            self._finite_checked()
 
     def _finite_checked(self) -> None:
         """Read a queued :meth:`_check_finite` (none: nothing to do): the ranks' summed flag
@@ -1263,9 +1278,11 @@ class Trainer(RoundLoop):
         a, r = self.cfg.algorithm, self.cfg.rule
         # every step size or weight the config set, not only algorithm.lr (a weight decay of
         # 1e10 was blamed on the learning rate)
+        reads = RULE_KEYS.get(r.name or self.spec.rule, ())  # the rule's own steps too
         steps = [("algorithm.lr", a.lr), ("algorithm.momentum", a.momentum or None),
                  ("algorithm.weight_decay", a.weight_decay or None), ("algorithm.mu", a.mu or None),
-                 ("algorithm.personal_lr", a.personal_lr), ("rule.lr", r.lr)]  # fmt: skip
+                 ("algorithm.personal_lr", a.personal_lr), ("rule.lr", r.lr),
+                 *((f"rule.{k}", getattr(r, k)) for k in ("eta", "lam") if k in reads)]  # fmt: skip
         named = ", ".join(f"{k} (now {v:g})" for k, v in steps if v is not None)
         raise GossipError(
             f"round {t + 1}: the parameters of a peer (first: {peer} on rank "  # rounds from 1

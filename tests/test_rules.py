@@ -27,6 +27,7 @@ from gossip_pfl.algorithms.rules import (
 from gossip_pfl.cli import main
 from gossip_pfl.config import load_config
 from gossip_pfl.errors import GossipError
+from gossip_pfl.rundir import CHECKPOINT_FILE
 from gossip_pfl.runtime.solver import LocalArmijo
 from gossip_pfl.train import Trainer, run
 
@@ -200,6 +201,37 @@ def test_armijo_accepted_steps_satisfy_the_condition(reset):
             assert problem.f(cand, [i])[0] > f0[i] - c * bigger * g2[i]
             shrunk += 1
     assert shrunk > 0  # the search did backtrack somewhere, so the check above ran
+
+
+def test_armijo_with_fedproxs_term_searches_the_objective_it_descends():
+    """With FedProx's mu the direction holds mu (w - anchor): the accepted eta satisfies the
+    condition on F = f + mu/2 ||w - anchor||^2 and the trial before it did not. The search
+    tested f alone, so a step against the pull to the anchor failed every trial (f = w^2 / 2,
+    anchor 1, w = 0: eta 2.95e-5 where F takes 0.81)."""
+    c, beta, mu = 0.1, 0.9, 1.0
+    solver = LocalArmijo(0.1, prox_mu=mu, c=c, beta=beta, eta_max=1.0, reset="max")
+    problem = LeastSquares()
+    gen = torch.Generator().manual_seed(4)
+    theta = torch.randn(5, 1, 4, generator=gen)
+    anchor = theta + torch.randn(5, 1, 4, generator=gen)  # (the round's start, far off)
+    state = solver.init(theta)
+    w0 = theta.clone()
+    solver.step(theta, problem.grad(theta), state, slice(None), torch.ones(5),
+                anchor=anchor, loss=problem.f(theta), loss_at=problem.loss_at,
+                batches=torch.ones(5))  # fmt: skip
+
+    def F(w):
+        return problem.f(w) + 0.5 * mu * (w - anchor).double().flatten(1).pow(2).sum(1)
+
+    d = problem.grad(w0) + mu * (w0 - anchor)
+    eta, d2 = state.eta, d.double().flatten(1).pow(2).sum(1)
+    torch.testing.assert_close(theta, w0 - eta.float()[:, None, None] * d)
+    assert (F(theta) <= F(w0) - c * eta * d2 + 1e-9).all()
+    bigger = (eta / beta).clamp_max(1.0)
+    tried = bigger < 1.0  # (backtracked: the trial before failed on F)
+    before = w0 - bigger.float()[:, None, None] * d
+    assert tried.any() and (F(before) > F(w0) - c * bigger * d2)[tried].all()
+    assert (eta > 0.1).all()  # (on f alone the trials failed down to the smallest)
 
 
 def test_armijo_zero_gradient_takes_no_step():
@@ -721,7 +753,7 @@ def test_bad_input_is_a_one_line_cli_error_and_writes_nothing(case, tmp_path, ca
         (dict(algorithm="dsgd", rule={"name": "scaffold"}, schedule={"graph": "ring"}),
          "rule.name"),
         (dict(algorithm="dsgd", rule={"name": "fedli_ls", "step": "max"},
-              schedule={"graph": "ring"}), "rule.name"),
+              algo={"client_weighting": "none"}, schedule={"graph": "ring"}), "rule.name"),
         (dict(schedule={"graph": "ring"}), "schedule"),
         (dict(algorithm="clustered", participation=3), "participation"),
     ],
@@ -743,7 +775,8 @@ def test_a_rule_without_a_gossip_form_lists_those_with_one(step, tmp_path):
     """The list comes from the rules themselves (rules.md's table: a new gossip rule appears
     in it); FedLi-LS has one with rule.step one only, which the message says."""
     rule = {"name": "fedli_ls", "step": step} if step == "max" else {"name": "fedadam"}
-    cfg = cfg_for(tmp_path, "dsgd", rule=rule, schedule={"graph": "ring"})
+    cfg = cfg_for(tmp_path, "dsgd", rule=rule, schedule={"graph": "ring"},
+                  algo={"client_weighting": "none"})  # fmt: skip
     with pytest.raises(GossipError, match=r"gossip rules: average, fedexp, fedli_lu, fedli_ls "):
         trainer_for(cfg)
     with pytest.raises(GossipError) as err:
@@ -792,7 +825,8 @@ def test_summary_records_rule_and_participation(tmp_path):
 def test_gossip_fedli_ls_clients_search_their_step(tmp_path):
     """The rule picks FedLi-LS's client solver in its gossip form too (dsgd + rule fedli_ls),
     and its peers report the step sizes their searches accepted (not algorithm.lr)."""
-    cfg = cfg_for(tmp_path, "dsgd", rule={"name": "fedli_ls"}, schedule={"graph": "ring"})
+    cfg = cfg_for(tmp_path, "dsgd", rule={"name": "fedli_ls"}, schedule={"graph": "ring"},
+                  algo={"client_weighting": "gossip"})  # fmt: skip
     trainer = Trainer(cfg, dataset=toy_dataset(8), log=quiet)
     assert isinstance(trainer.solver, LocalArmijo)
     trainer.run()
@@ -925,3 +959,18 @@ def test_scaffold_server_lr_and_control_update():
     torch.testing.assert_close(new, as_t(want), rtol=0, atol=1e-12)
     want_c = [a + mass * b for a, b in zip(c, dc)]  # (0.5, -0.1, 0.4)
     torch.testing.assert_close(state["control"], as_t(want_c), rtol=0, atol=1e-12)
+
+
+def test_a_rule_that_blows_up_the_last_round_is_neither_logged_nor_saved(tmp_path):
+    """The models a round's rule made were checked only in the next round's local work: a
+    last round's NaN/inf ran on to the summary (exit 0, the accuracy of NaN models). Now a
+    log or a checkpoint checks them first, naming the rule's step."""
+    cfg = cfg_for(tmp_path, "fedavgm", rounds=1, rule={"name": "fedavgm", "lr": 1e200})
+    with pytest.raises(
+        GossipError,
+        match=r"round 1: the parameters .* became NaN/inf; lower "
+        r"the steps: .*rule.lr \(now 1e\+200\)",
+    ):
+        trainer_for(cfg).run()
+    assert (tmp_path / "metrics.jsonl").read_text() == ""
+    assert not (tmp_path / CHECKPOINT_FILE).exists() and not (tmp_path / "summary.json").exists()

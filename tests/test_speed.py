@@ -1260,9 +1260,10 @@ GRAPH_CASES = {
                              "line_search": {"eta_max": 20.0}},
     "fedli_ls max, 3 trials": {"name": "fedli_ls", "components": 1,
                                "line_search": {"eta_max": 50.0, "reset": "max", "max_trials": 3}},
-    "fedprox, fedli_ls rule, lr schedule": {"name": "fedprox", "components": 1, "mu": 0.5,
-                                            "rule": {"name": "fedli_ls"}, "lr_decay": [0.5],
-                                            "line_search": {"eta_max": 20.0, "beta": 0.5}},
+    # (no lr schedule: the search sets the steps, and the config refuses one)
+    "fedprox, fedli_ls rule, anchor": {"name": "fedprox", "components": 1, "mu": 0.5,
+                                       "rule": {"name": "fedli_ls"},
+                                       "line_search": {"eta_max": 20.0, "beta": 0.5}},
     # the objective a batch's mean over its real samples: further trials take the factor too
     "fedli_ls, loss by B": {"name": "fedli_ls", "components": 1, "loss_divisor": "batch_size",
                             "line_search": {"eta_max": 20.0}},

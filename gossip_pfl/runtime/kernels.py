@@ -384,8 +384,8 @@ def armijo_round(
     step for step), in place on theta (L, M, P), each peer's step size ``eta`` (L, float64)
     and its last minibatch objective ``losses`` (L, float64). The plan and ``q`` as in
     :func:`sgd_round`; the objective of a batch is its weighted log-loss over
-    max(sum of its weights, 1) plus ``decay`` / 2 ||theta||^2, the direction its gradient
-    plus ``prox`` (theta - theta at the round's start). From eta (``reset``: grown by
+    max(sum of its weights, 1) plus ``decay`` / 2 ||theta||^2 and ``prox`` / 2 ||theta -
+    theta at the round's start||^2, the direction its gradient. From eta (``reset``: grown by
     2^(1 / ``batches[p]``) up to ``eta_max``, kept, or ``eta_max``) the trials go down by
     ``beta`` until the objective falls by ``c`` eta ||d||^2 (at most ``max_trials``, the last
     taken); no step where ||d|| < 1e-8. Each trial's loss is a pass over the batch's rows,
@@ -427,6 +427,9 @@ def armijo_round(
                     d[m, i] = u
                     g[m, i] = 0
                     f0 += 0.5 * decay * (np.float64(v) * v)
+                    if prox != 0:  # (FedProx's term is the searched objective's too)
+                        a = np.float64(v) - start[m, i]
+                        f0 += 0.5 * prox * (a * a)
                     g2 += np.float64(u) * u
             if not g2 >= 1e-16:  # (||d|| < 1e-8: no step, eta as it was)
                 continue
@@ -442,6 +445,9 @@ def armijo_round(
                     for i in range(P):
                         cand[m, i] = th[m, i] - t32 * d[m, i]
                         f1 += 0.5 * decay * (np.float64(cand[m, i]) * cand[m, i])
+                        if prox != 0:
+                            a = np.float64(cand[m, i]) - start[m, i]
+                            f1 += 0.5 * prox * (a * a)
                 loss = _weighted_pass(cand, x, base, labels[p], order, wts, k, q, p, weighted,
                                       inv_b, r, z, g, False)  # fmt: skip
                 f1 += loss * inv_b * mean

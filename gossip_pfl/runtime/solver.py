@@ -212,11 +212,12 @@ class Search:
 class LocalArmijo(LocalSGD):
     """SGD with a stochastic Armijo line search on each minibatch (FedLi-LS's client,
     Vaswani et al. 2019's SLS): from the reset step size, try eta, eta beta, eta beta^2, ...
-    until ``f_B(w - eta g) <= f_B(w) - c eta ||g||^2`` on the same minibatch (weight decay in
-    both f and g); at most ``max_trials`` trials (the last one is taken if none passes); no step
-    when ``||g|| < 1e-8``. Each round starts at ``eta_max``; ``reset`` grow multiplies the last
-    accepted eta by 2^(1 / batches per epoch) (capped at eta_max), keep reuses it, max restarts
-    from eta_max every step. No momentum (the paper's Algorithm 3)."""
+    until ``f_B(w - eta g) <= f_B(w) - c eta ||g||^2`` on the same minibatch (weight decay and
+    FedProx's proximal term in both f and g); at most ``max_trials`` trials (the last one is
+    taken if none passes); no step when ``||g|| < 1e-8``. Each round starts at ``eta_max``;
+    ``reset`` grow multiplies the last accepted eta by 2^(1 / batches per epoch) (capped at
+    eta_max), keep reuses it, max restarts from eta_max every step. No momentum (the paper's
+    Algorithm 3)."""
 
     c: float = 0.1
     beta: float = 0.9
@@ -253,6 +254,12 @@ class LocalArmijo(LocalSGD):
         still searching (:meth:`trial` at ``sub``)."""
         p = theta[rows]
         s = self.begin(p, grad, state, rows, anchor, correction, loss, batches)
+        if self.prox_mu and anchor is not None:  # (FedProx's term: the objective's, searched)
+            a, f = anchor[rows], loss_at
+
+            def loss_at(cand, sub):
+                return f(cand, sub) + self.prox_loss(cand, a if sub is None else a[sub])
+
         for trial in range(self.max_trials):
             # (a nonzero is a wait for a GPU: the step graphs take the masked trials)
             sub = s.pending.nonzero()[:, 0]
@@ -269,6 +276,8 @@ class LocalArmijo(LocalSGD):
         ||g|| < 1e-8 are not searching."""
         g = self._direction(p, grad, lambda t: t[rows], anchor, correction)
         f0 = loss.double() + self._decay(p)
+        if anchor is not None:
+            f0 = f0 + self.prox_loss(p, anchor[rows])
         g2 = g.double().flatten(1).pow(2).sum(1)
         eta = state.eta[rows].clone()
         if self.reset == "grow":
@@ -308,6 +317,14 @@ class LocalArmijo(LocalSGD):
         """The step each peer's search took from ``p``, its step size recorded."""
         theta[rows] = p - s.step.to(p.dtype)[:, None, None] * s.g
         state.eta[rows] = torch.where(s.g2 >= 1e-16, s.step, state.eta[rows])
+
+    def prox_loss(self, p: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        """FedProx's term of the searched objective, ``mu/2 ||p - anchor||^2`` for each row
+        (float64): the direction holds its gradient, so the Armijo test must hold the term
+        (without it a search against the pull to the anchor took its smallest step)."""
+        if not self.prox_mu:
+            return torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
+        return 0.5 * self.prox_mu * (p - anchor).double().flatten(1).pow(2).sum(1)
 
     def _decay(self, p: torch.Tensor) -> torch.Tensor:
         if not self.weight_decay:
