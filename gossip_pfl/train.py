@@ -146,8 +146,12 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
         raise TopologyError(f"schedule{'.' if keyed else ': '}{err}") from None
     if cfg.check_schedule:  # the checks of `topology describe`, with the figures
         try:
-            check_mixing(schedule, horizon=100)  # (whatever the run's rounds: a short run
-            # of a schedule that connects over a few rounds is a smoke test, not an error)
+            # every round the run takes (a periodic schedule's: one period), at least 100 (a
+            # short run of a schedule that connects over a few rounds is a smoke test, not an
+            # error); a random schedule's draws: 100 (one generator makes every round). A user
+            # file's W_100 onwards went unchecked, their drift with them
+            horizon = 100 if schedule.is_random else max(100, cfg.rounds)
+            check_mixing(schedule, horizon=horizon)
         except TopologyError as err:
             raise GossipError(
                 f"{err}; fix the schedule, or set check_schedule: false to run it anyway"

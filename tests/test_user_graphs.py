@@ -209,3 +209,28 @@ def test_topology_describe_takes_a_graph_file_and_shows_labels(tmp_path, capsys)
     assert load_npz(out).labels == info["labels"]
     assert main(["topology", "describe", str(out), "--horizon", "5", "--trials", "2"]) == 0
     assert "labels" in capsys.readouterr().out
+
+
+def test_a_run_checks_every_round_of_a_user_schedule_it_takes(tmp_path):
+    """The run's check read the first 100 rounds of a periodic schedule whatever its rounds:
+    a file whose W_100 onwards are row- but not column-stochastic ran on, the peers' average
+    drifting. Now it reads the rounds the run takes (a period at most)."""
+    from gossip_pfl.algorithms import get_algorithm
+    from gossip_pfl.config import load_config
+    from gossip_pfl.errors import GossipError
+    from gossip_pfl.train import build_schedule
+
+    n = 6
+    ring = np.eye(n) / 3 + np.roll(np.eye(n), 1, axis=1) / 3 + np.roll(np.eye(n), -1, axis=1) / 3
+    skew = np.eye(n)
+    skew[0] = [0.5, 0.5, 0, 0, 0, 0]  # rows sum to 1; column 0 to 0.5, column 1 to 1.5
+    np.savez(tmp_path / "late.npz", W=np.stack([ring] * 100 + [skew] * 20))
+
+    def cfg(rounds):
+        return load_config(base={"rounds": rounds, "algorithm": {"name": "dsgd"},
+                                 "schedule": {"graph": str(tmp_path / "late.npz")},
+                                 "out": str(tmp_path / "run")})  # fmt: skip
+
+    assert build_schedule(cfg(100), n, get_algorithm("dsgd")).n == n  # the rounds it takes
+    with pytest.raises(GossipError, match=r"not doubly stochastic: W_100 column 0 sums to 0.5"):
+        build_schedule(cfg(101), n, get_algorithm("dsgd"))

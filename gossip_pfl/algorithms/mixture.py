@@ -107,27 +107,28 @@ def fit_mixture_weights(
 
     ``losses`` (L, M, N) per-sample losses, ``mask`` (L, N). The likelihoods are computed once
     (shifted by the per-sample minimum loss, so huge losses cannot underflow everything); each
-    iteration is then q = pi * lik / sum_m, pi = mean q. Stops when pi moves less than ``tol``.
-    Clients without samples keep uniform weights.
+    iteration is then q = pi * lik / sum_m, pi = mean q. Each client stops when its pi moves
+    less than ``tol`` (on its own: its pi does not depend on the clients beside it in the
+    call, a rank's share), or after ``iters`` iterations. Clients without samples keep
+    uniform weights.
 
-    The host reads whether it stopped every ``CHECK_EVERY`` iterations, not every one (on a
-    GPU each read waits for the device); pi is kept from the iteration that stopped, so the
-    result is the same.
+    The host reads whether every client stopped every ``CHECK_EVERY`` iterations, not every
+    one (on a GPU each read waits for the device); each client's pi is kept from the
+    iteration that stopped it, so the result is the same.
     """
     lik = torch.exp(-(losses - losses.min(dim=1, keepdim=True).values)).double()  # (L, M, N)
     weight = mask.double() / mask.sum(-1, keepdim=True).clamp_min(1)  # 1/n_i on real samples
     pi = torch.full(lik.shape[:2], 1.0 / lik.shape[1], dtype=torch.float64, device=lik.device)
     has = mask.sum(-1, keepdim=True) > 0
-    stopped = torch.zeros((), dtype=torch.bool, device=lik.device)
+    stopped = ~has  # (L, 1)
     for k in range(iters):
         # pi_m <- pi_m * mean_i lik_im / sum_k pi_k lik_ik  (two batched products per sweep)
         denom = torch.einsum("lmn,lm->ln", lik, pi).clamp_min(1e-300)
         new = pi * torch.einsum("lmn,ln->lm", lik, weight / denom)
-        new = torch.where(has, new, pi)
-        done = (new - pi).abs().max() < tol
+        done = (new - pi).abs().amax(-1, keepdim=True) < tol
         pi = torch.where(stopped, pi, new)
         stopped = stopped | done
-        if (k + 1) % CHECK_EVERY == 0 and stopped:
+        if (k + 1) % CHECK_EVERY == 0 and bool(stopped.all()):
             break
     return pi.to(losses.dtype)
 
