@@ -1,5 +1,5 @@
 """``python -m gossip_pfl`` (what ``torchrun ... -m gossip_pfl run CONFIG`` starts)."""
 
-from gossip_pfl.cli import main
+from gossip_pfl.cli import entry
 
-raise SystemExit(main())
+raise SystemExit(entry())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 import warnings
 
@@ -79,6 +80,15 @@ def _warning_line(message, category, filename, lineno, file=None, line=None) -> 
     """A warning as one line, like the errors (not Python's file, line and source text)."""
     kind = "" if category is UserWarning else f" ({category.__name__})"
     print(f"gossip-pfl: warning{kind}: {message}", file=file or sys.stderr)
+
+
+def entry() -> int:
+    """The ``gossip-pfl`` command and ``python -m gossip_pfl``: :func:`main`, after which
+    another Ctrl-C while the process winds down (its threads joined at exit: a stopped run's
+    next batch plan, drawn ahead) ends it at once instead of printing their traceback."""
+    code = main()
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -35,6 +35,8 @@ from gossip_pfl.metrics import score_entries
 from gossip_pfl.rundir import (
     CHECKPOINT_FILE,
     REJOINS,
+    check_out_dir,
+    clear_outputs,
     read_rows,
     rewrite_rows,
     write_text,
@@ -225,18 +227,21 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
         raise GossipError(f"-n {args.n}: the run has {n} peers, so at most {n} processes "
                           "(one or more peers each)")  # fmt: skip
     run_dir = Path(args.out or cfg.out)
-    if (run_dir / "peers").exists():
-        if not args.overwrite:
-            raise GossipError(
-                f"out: {run_dir} holds another peer-to-peer run; choose another --out or "
-                "replace it with --overwrite"
-            )
-        shutil.rmtree(run_dir / "peers")
-        # and the old run's merged files and logs (appended to): a new run that fails must
-        # not leave them beside its own processes' outputs
+    # a file, or another run of any kind (a gossip-pfl run's folder was written over, its
+    # checkpoint and figures left beside the new run's merged files)
+    check_out_dir(run_dir, resume=False, overwrite=args.overwrite)
+    if (run_dir / "peers").exists() and not args.overwrite:
+        raise GossipError(
+            f"out: {run_dir} holds another peer-to-peer run; choose another --out or "
+            "replace it with --overwrite"
+        )
+    if args.overwrite and run_dir.is_dir():
+        shutil.rmtree(run_dir / "peers", ignore_errors=True)
+        # and the old run's merged files, logs (appended to), checkpoint and figures: a new
+        # run that fails must not leave them beside its own processes' outputs
         shutil.rmtree(run_dir / "logs", ignore_errors=True)
-        for name in ("metrics.jsonl", "summary.json"):
-            (run_dir / name).unlink(missing_ok=True)
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        clear_outputs(run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     peers = run_dir / "peers.yaml"
     peers.write_text("".join(f"{k}: 127.0.0.1:{p}\n" for k, p in enumerate(free_ports(args.n))))
@@ -494,7 +499,7 @@ def _merge_round(rnd: int, by_process: dict[int, dict]) -> dict:
         "messages_sent": int(sum(r["messages_sent"] for r in rows)),
         "client_test_accuracy": client,
     }
-    if all("peer_pi" in r for r in rows):
+    if all(r.get("peer_pi") is not None for r in rows):  # (a null one: no weights there)
         pi = np.concatenate([r["peer_pi"] for r in rows])[order]
         row["mixture_weights"] = [round(float(w), 5) for w in pi.mean(0)]
         row["mixture_leaders"] = np.bincount(pi.argmax(1), minlength=pi.shape[1]).tolist()

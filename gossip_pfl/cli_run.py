@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from importlib import resources
 from pathlib import Path
 
@@ -88,14 +89,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         if _is_rank0():
             saved = (Path(cfg.out) / checkpoint.FILE).is_file()
             hint = f"; continue from the last checkpoint with: gossip-pfl run --resume {cfg.out}"
-            print("gossip-pfl: interrupted" + (hint if saved else " (no checkpoint was saved)"))
+            print("gossip-pfl: interrupted" + (hint if saved else " (no checkpoint was saved)"),
+                  file=sys.stderr)  # fmt: skip
         return 130
     if _is_rank0():
         from gossip_pfl.algorithms import get_algorithm
         from gossip_pfl.train import workload_class
 
         workload = workload_class(get_algorithm(cfg.algorithm.name).workload)
-        plots = [] if args.no_plots else workload.write_plots(Path(cfg.out))
         keys = tuple(k for k in workload.summary_keys if k in summary)
         width = max(map(len, keys))
         print(f"results ({cfg.algorithm.name}, written to {Path(cfg.out) / 'summary.json'}):")
@@ -104,6 +105,13 @@ def cmd_run(args: argparse.Namespace) -> int:
             if isinstance(v, list):
                 v = " ".join(f"{w:.3f}" for w in v)
             print(f"  {k:<{width}}  {v:.4f}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
+        try:  # (after the results: a Ctrl-C while they are drawn loses nothing else)
+            plots = [] if args.no_plots else workload.write_plots(Path(cfg.out))
+        except KeyboardInterrupt:
+            print(f"gossip-pfl: interrupted while drawing the figures; the run is finished "
+                  f"({Path(cfg.out) / 'summary.json'}): draw them with gossip-pfl plot "
+                  f"{cfg.out}", file=sys.stderr)  # fmt: skip
+            return 130
         if plots:
             print(f"plots: {plots[0].parent}/ ({', '.join(p.name for p in plots)})")
     return 0

@@ -52,8 +52,11 @@ class RoundLoop:
 
     @staticmethod
     def write_plots(run_dir: Path) -> list[Path]:
-        """Figures of a finished run in ``run_dir/plots`` (the CLI calls it on rank 0)."""
-        return []
+        """Figures of a finished run in ``run_dir/plots`` (the CLI calls it on rank 0): the
+        model runs' (accuracy, loss, consensus, bytes, clients; PeFLL's rows hold them too)."""
+        from gossip_pfl.plots import load_run, write_plots
+
+        return write_plots([load_run(run_dir)], Path(run_dir) / "plots")
 
     def sample(self, t: int) -> np.ndarray:
         """This round's participants (n,) bool, the same on every rank."""

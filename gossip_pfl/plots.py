@@ -206,11 +206,20 @@ def _legend(ax: Axes, n_runs: int, loc: str = "best", **kw: Any):
     return ax.legend(loc=loc, fontsize="small", **kw)
 
 
-def _x_round(ax: Axes) -> None:
+def _x_round(ax: Axes, runs: list[Run] | None = None) -> None:
     from matplotlib.ticker import MaxNLocator
 
     ax.set_xlabel("round")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    rounds = [r for run in runs or [] for r in run.rounds]
+    if rounds and len(set(rounds)) == 1:  # (one evaluated round: ticks 0.945..1.05 around it)
+        ax.set_xlim(rounds[0] - 1, rounds[0] + 1)
+
+
+def _fmt(style: str, run: Run) -> str:
+    """A line style, with a marker where the run has one evaluated row (a line of one point
+    draws nothing)."""
+    return style + "o" if len(run.rows) == 1 else style
 
 
 def plot_accuracy(runs: list[Run]) -> Figure:
@@ -222,15 +231,15 @@ def plot_accuracy(runs: list[Run]) -> Figure:
     any_unseen = False
     for i, (run, label, color) in enumerate(zip(runs, _labels(runs), _colors(len(runs)))):
         x = run.rounds
-        ax.plot(
-            x, run.series("test_accuracy"), "-", color=color, label=label, gid=f"{i}:test_accuracy"
-        )
-        ax.plot(x, run.series("test_accuracy_p10"), "--", color=color, gid=f"{i}:test_accuracy_p10")
+        ax.plot(x, run.series("test_accuracy"), _fmt("-", run), color=color, label=label,
+                gid=f"{i}:test_accuracy")  # fmt: skip
+        ax.plot(x, run.series("test_accuracy_p10"), _fmt("--", run), color=color,
+                gid=f"{i}:test_accuracy_p10")  # fmt: skip
         unseen = run.series("unseen_test_accuracy")
         if np.isfinite(unseen).any():
             any_unseen = True
-            ax.plot(x, unseen, ":", color=color, gid=f"{i}:unseen_test_accuracy")
-    _x_round(ax)
+            ax.plot(x, unseen, _fmt(":", run), color=color, gid=f"{i}:unseen_test_accuracy")
+    _x_round(ax, runs)
     ax.set_ylabel("test accuracy")
     runs_legend = _legend(ax, len(runs), loc="lower right", title="run")
     if runs_legend.axes is ax:  # inside: keep it when the styles' legend replaces ax.legend_
@@ -250,12 +259,12 @@ def plot_loss(runs: list[Run]) -> Figure:
         ax.plot(
             run.rounds,
             run.series("train_loss"),
-            "-",
+            _fmt("-", run),
             color=color,
             label=label,
             gid=f"{i}:train_loss",
         )
-    _x_round(ax)
+    _x_round(ax, runs)
     ax.set_ylabel("train loss")
     _legend(ax, len(runs))
     return fig
@@ -276,17 +285,19 @@ def plot_consensus(runs: list[Run]) -> Figure:
     is always 0 (server averaging, Local) cannot be drawn on it: they appear in the legend
     only, marked "= 0"; single zero points are left out of a curve."""
     fig, ax = _figure("Consensus distance vs round", len(runs))
-    positive = False
+    positive = recorded = False
     for i, (run, label, color) in enumerate(zip(runs, _labels(runs), _colors(len(runs)))):
         y = consensus_max(run)
+        recorded = recorded or not np.isnan(y).all()
         if np.isnan(y).all():
             label = f"{label} (not recorded)"
         elif not (y > 0).any():
             label = f"{label} (distance 0, not drawn)"
         positive = positive or bool((y > 0).any())
         y = np.where(y > 0, y, np.nan)
-        ax.plot(run.rounds, y, "-", color=color, label=label, gid=f"{i}:consensus_distance")
-    _x_round(ax)
+        ax.plot(run.rounds, y, _fmt("-", run), color=color, label=label,
+                gid=f"{i}:consensus_distance")  # fmt: skip
+    _x_round(ax, runs)
     if positive:
         ax.set_yscale("log")
         ax.set_ylabel("consensus distance (max over components, log)")
@@ -296,7 +307,10 @@ def plot_consensus(runs: list[Run]) -> Figure:
         ax.text(
             0.5,
             0.5,
-            "every run has consensus distance 0",
+            # (a merged peer-to-peer run records none by round: it was said to be 0)
+            "every run has consensus distance 0"
+            if recorded
+            else "no run recorded its consensus distance by round",
             transform=ax.transAxes,
             ha="center",
             va="center",
@@ -352,7 +366,8 @@ def plot_accuracy_vs_bytes(runs: list[Run]) -> Figure:
             ax.text(
                 0.5,
                 0.5,
-                "no run recorded model_bytes (metrics from an older gossip-pfl?)",
+                "no run recorded model_bytes (a merged peer-to-peer run counts bytes_sent "
+                "instead; an older gossip-pfl, neither)",
                 transform=ax.transAxes,
                 ha="center",
                 va="center",
@@ -441,9 +456,9 @@ def plot_mixture_weights(runs: list[Run]) -> Figure:
     for i, (run, label, color) in enumerate(zip(runs, _labels(runs), _colors(len(runs)))):
         w = mixture_weights(run)
         for m in range(0 if w is None else w.shape[1]):
-            ax.plot(run.rounds, w[:, m], styles[m % len(styles)], color=color,
+            ax.plot(run.rounds, w[:, m], _fmt(styles[m % len(styles)], run), color=color,
                     label=f"{label}, component {m}", gid=f"{i}:mixture_weights:{m}")  # fmt: skip
-    _x_round(ax)
+    _x_round(ax, runs)
     ax.set_ylabel("mean mixture weight over clients")
     ax.set_ylim(-0.02, 1.02)
     _legend(ax, len(runs))

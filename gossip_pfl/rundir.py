@@ -144,8 +144,12 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
             f"out: cannot write into {ancestor} (permission denied); choose another --out"
         )
     if out.is_dir() and not resume:
+        # (a run stopped before its first row left an empty metrics.jsonl and nothing to
+        # resume: "holds another run, continue it with --resume" then "no checkpoint there")
         found = [
-            f for f in ("metrics.jsonl", "summary.json", CHECKPOINT_FILE) if (out / f).exists()
+            f
+            for f in ("metrics.jsonl", "summary.json", CHECKPOINT_FILE)
+            if (out / f).exists() and (f != "metrics.jsonl" or (out / f).stat().st_size)
         ]
         if found and not overwrite:
             # a peers-local run's processes resume one by one (gossip-pfl peer ... --resume)

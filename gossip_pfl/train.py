@@ -166,12 +166,6 @@ class Trainer(RoundLoop):
                     "wall_seconds", "unseen_test_accuracy", "cluster_recovery",
                     "mixture_weights")  # fmt: skip
 
-    @staticmethod
-    def write_plots(run_dir: Path) -> list[Path]:
-        from gossip_pfl.plots import load_run, write_plots
-
-        return write_plots([load_run(run_dir)], Path(run_dir) / "plots")
-
     def __init__(self, cfg: RunConfig, dataset=None, comm=None, log=print):
         self.cfg, self.log = cfg, log
         self.spec = get_algorithm(cfg.algorithm.name)

@@ -645,3 +645,14 @@ def test_a_rank_whose_group_never_forms_stops_within_the_timeout(tmp_path, capsy
     _one_line_error(capsys, argv, rf"rank 1: could not join the 2 ranks' group at 127.0.0.1:"
                                   rf"{port} within runtime.timeout_s = 2 s")  # fmt: skip
     assert time.monotonic() - start < 2 * 2
+
+
+@pytest.mark.filterwarnings("ignore:merge. no consensus distance")
+def test_merge_takes_a_null_peer_pi_as_no_weights(tmp_path):
+    """A process's "peer_pi": null passed the row check (no weights) and then broke the
+    merge (numpy's ValueError): the merged rows have no mixture weights, as without the key."""
+    run = _peer_run(tmp_path)
+    _edit(run / "peers" / "0" / "metrics.jsonl", peer_pi=None)
+    _edit(run / "peers" / "1" / "metrics.jsonl", peer_pi=[[0.25, 0.75], [0.5, 0.5]])
+    summary = cli_peer.merge(run)
+    assert summary["peers_reporting"] == 4 and "mixture_weights" not in summary

@@ -375,3 +375,17 @@ def test_a_run_whose_statistics_were_projected_says_so(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert summary["projected"] > 0 and len(err) == 1, err
     assert f"in {summary['projected']} updates and was projected back" in err[0]
+
+
+def test_plot_of_an_em_run_with_a_damaged_row_is_one_line(tmp_path, capsys):
+    """An EM run's row without 'epochs' (a hand-edited file) was a KeyError's traceback."""
+    run = tmp_path / "run"
+    assert main(["run", _config_file(tmp_path), "--out", str(run), "--quiet", "--no-plots",
+                 "--set", "rounds=3"]) == 0  # fmt: skip
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    del rows[-1]["epochs"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    capsys.readouterr()
+    assert main(["plot", str(run)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"row {len(rows)} has no number 'epochs'" in err[0], err

@@ -125,6 +125,18 @@ def test_another_runs_folder_is_kept_unless_overwrite(tmp_path, capsys):
     assert main(["run", str(cfg), "--out", str(out), "--quiet", "--overwrite", "--no-plots"]) == 0
 
 
+def test_a_run_stopped_before_its_first_row_leaves_a_folder_to_start_again(tmp_path, capsys):
+    """Stopped before its first row and checkpoint, a run left config.yaml and an empty
+    metrics.jsonl: a new run there was told the folder held another run to continue with
+    --resume, and --resume that there was no checkpoint. Nothing is lost there: it starts."""
+    cfg, out = write_cfg(tmp_path), tmp_path / "run"
+    out.mkdir()
+    (out / "config.yaml").write_text("rounds: 2\n")
+    (out / "metrics.jsonl").write_text("")
+    assert main(["run", str(cfg), "--out", str(out), "--quiet", "--no-plots"]) == 0
+    assert (out / "summary.json").is_file()
+
+
 @pytest.mark.parametrize("folder", ["1e-3", "100", "yes"])
 def test_an_out_folder_named_like_a_number_runs_and_resumes(folder, tmp_path, monkeypatch):
     """--out went into the config as YAML text: a folder named 1e-3 (a learning-rate sweep's),
@@ -581,3 +593,38 @@ def test_ack_drop_makes_the_ends_disagree_and_merge_counts_it(ack_drop, tmp_path
     assert report["exchanges"] == rounds and report["link_ends"] == 2 * n * rounds
     assert report["disagreements"] == disagree and report["link_ends_lost"] == lost_ends
     assert report["drift_total"] == pytest.approx(float(total.norm() / last.norm()), abs=1e-12)
+
+
+def test_ctrl_c_while_the_figures_are_drawn_says_the_run_is_finished(tmp_path, capsys,
+                                                                     monkeypatch):  # fmt: skip
+    """A Ctrl-C while the figures were drawn ended with "interrupted" alone: no results table
+    (printed after the figures), no word that the run was finished. The results come first;
+    the message names the summary and the command that draws the figures."""
+    from gossip_pfl.train import Trainer
+
+    def interrupted(run_dir):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Trainer, "write_plots", staticmethod(interrupted))
+    cfg, out = write_cfg(tmp_path), tmp_path / "run"
+    assert main(["run", str(cfg), "--out", str(out)]) == 130
+    captured = capsys.readouterr()
+    assert "results (" in captured.out and (out / "summary.json").is_file()
+    err = captured.err.strip().splitlines()
+    assert err == [f"gossip-pfl: interrupted while drawing the figures; the run is finished "
+                   f"({out / 'summary.json'}): draw them with gossip-pfl plot {out}"]  # fmt: skip
+
+
+def test_the_command_ends_at_a_second_ctrl_c_while_it_winds_down(monkeypatch):
+    """After a stop (its checkpoint saved) the process joins its threads at exit (the next
+    batch plan, drawn ahead): a Ctrl-C then printed their traceback. The command's entry
+    leaves SIGINT to the system once main returns."""
+    from gossip_pfl import cli as cli_module
+
+    monkeypatch.setattr(cli_module, "main", lambda: 0)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        assert cli_module.entry() == 0
+        assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
+    finally:
+        signal.signal(signal.SIGINT, before)

@@ -406,3 +406,14 @@ def test_unseen_clients_need_training_data_and_score_only_with_test_data(tmp_pat
     ((_, acc, n),) = r.evaluate(r.unseen_train, [r.unseen_test], r.unseen_pos, 2)
     assert n.tolist() == [10, 0] and acc[0] > 0
     assert r.metrics_row(0)["unseen_test_accuracy"] == acc[0]
+
+
+def test_a_pefll_run_draws_the_model_runs_figures(tmp_path):
+    """A PeFLL run wrote no figures (the loop's default drew none), though its rows hold
+    what they show and `gossip-pfl plot` drew them."""
+    run(config(tmp_path, rounds=2, eval={"every": 1}), images(), log=quiet)
+    figures = sorted(p.name for p in PeFLLRun.write_plots(tmp_path))
+    assert figures == sorted(f"{n}.png" for n in ("accuracy_vs_round", "loss_vs_round",
+                                                 "consensus_vs_round", "accuracy_vs_bytes",
+                                                 "client_accuracy_hist"))  # fmt: skip
+    assert all((tmp_path / "plots" / f).stat().st_size > 0 for f in figures)

@@ -343,3 +343,36 @@ def test_a_value_of_the_wrong_type_is_one_line(file, text, tmp_path, capsys):
     assert main(["plot", str(run), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "is not a number or list of numbers" in err[0], err
+
+
+def test_a_run_of_one_evaluated_row_draws_a_visible_point(tmp_path):
+    """One evaluated round (eval.every >= rounds) drew each curve as a line of one point,
+    nothing visible, over ticks 0.945..1.05: a marker now, and the round's neighbours."""
+    run = write_run(tmp_path, "one", "dfedem", unseen=True)
+    rows = (run / "metrics.jsonl").read_text().splitlines()
+    (run / "metrics.jsonl").write_text(rows[0] + "\n")
+    one = [plots.load_run(run)]
+    for fig, gid in [(plots.plot_accuracy(one), "0:test_accuracy"),
+                     (plots.plot_accuracy(one), "0:unseen_test_accuracy"),
+                     (plots.plot_loss(one), "0:train_loss"),
+                     (plots.plot_consensus(one), "0:consensus_distance")]:  # fmt: skip
+        line = _line(fig, gid)
+        assert line.get_marker() == "o" and len(line.get_xdata()) == 1, gid
+        assert fig.axes[0].get_xlim() == (1.0, 3.0), gid  # round 2, one either side
+    several = plots.plot_loss([plots.load_run(write_run(tmp_path, "three", "dfedem"))])
+    assert _line(several, "0:train_loss").get_marker() in ("None", "", None)
+
+
+def test_runs_without_consensus_distances_are_not_said_to_be_at_zero(tmp_path):
+    """Merged peer-to-peer runs record no consensus distance by round: the figure said
+    "every run has consensus distance 0"."""
+    run = write_run(tmp_path, "p2p", "dfedem")
+    rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    for r in rows:
+        del r["consensus_distance"]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    texts = [t.get_text() for t in plots.plot_consensus([plots.load_run(run)]).axes[0].texts]
+    assert texts == ["no run recorded its consensus distance by round"]
+    zero = write_run(tmp_path, "local", "local", consensus=0.0)
+    texts = [t.get_text() for t in plots.plot_consensus([plots.load_run(zero)]).axes[0].texts]
+    assert texts == ["every run has consensus distance 0"]

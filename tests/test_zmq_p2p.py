@@ -600,3 +600,21 @@ def test_a_peer_without_test_samples_is_left_out_of_its_process_mean(tmp_path):
     assert row["peer_test_count"][3] == 0
     assert row["test_accuracy"] == pytest.approx(np.mean(row["peer_test_accuracy"][:3]))
     assert summary["test_accuracy"] == row["test_accuracy"]
+
+
+def test_peers_local_keeps_another_runs_folder_and_names_a_file(tmp_path, capsys):
+    """peers-local checked only for another peer-to-peer run: over a gossip-pfl run's folder
+    it wrote its merged metrics and summary beside that run's checkpoint and figures; an --out
+    under a file was a traceback. Both are one line, before any process starts."""
+    cfg = _config(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "summary.json").write_text("{}")
+    (other / "checkpoint.pt").write_bytes(b"kept")
+    assert main(["peers-local", str(cfg), "-n", "2", "--out", str(other)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds another run (summary.json, checkpoint.pt)" in err[0], err
+    assert (other / "checkpoint.pt").read_bytes() == b"kept" and not (other / "peers").exists()
+    assert main(["peers-local", str(cfg), "-n", "2", "--out", str(other / "summary.json")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is a file, not a folder" in err[0], err

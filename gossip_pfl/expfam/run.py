@@ -554,6 +554,12 @@ def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
     rows = read_rows(Path(run_dir) / "metrics.jsonl")
     if not rows:
         return []
+    for i, r in enumerate(rows):  # (a row without one was a KeyError's traceback)
+        for key in ("epochs", "h_sq", "H_sq"):
+            if isinstance(r.get(key), bool) or not isinstance(r.get(key), (int, float)):
+                raise GossipError(f"{Path(run_dir) / 'metrics.jsonl'}: row {i + 1} has no "
+                                  f"number {key!r} (an EM run's rows hold epochs, h_sq and "
+                                  "H_sq)")  # fmt: skip
     ep = [r["epochs"] for r in rows]
     panels = 3 if "mixture_weights" in rows[0] else 2
     fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.4))
