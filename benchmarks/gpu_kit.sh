@@ -185,7 +185,7 @@ case "${1:-}" in
         # profile 24 s, the CNN 169 s (bench_conv.py's 33 s is in `cnn`); the H200's (fourth
         # lease): 83, 114, 16, 24, 71 and 15 s (the base's CNN), 335 s with the install
         # the CNN's steps eager and as CUDA graphs, not its most clients (800 fit an H200)
-        # (1,659 tests at 7b3c9f0: 12 workers of the 16 cores)
+        # (1,700 tests in 71 s at 08e70fe on lease 5's H200: 12 workers of its 16 cores)
         stage tests 170 $PY -m pytest -n 12 --maxprocesses 12 -rs -q --durations=12
         export OMP_NUM_THREADS=1 PY DEV=${DEV:-cuda} GOSSIP_PFL_CACHE=$PWD/$KIT/cache
         # the solver's forms side by side (by peer: 9 passes; one size: the fused kernel)

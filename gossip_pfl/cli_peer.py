@@ -240,7 +240,8 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
         # and the old run's merged files, logs (appended to), checkpoint and figures: a new
         # run that fails must not leave them beside its own processes' outputs
         shutil.rmtree(run_dir / "logs", ignore_errors=True)
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+        for name in ("metrics.jsonl", "config.yaml"):  # (a gossip-pfl run's config named it)
+            (run_dir / name).unlink(missing_ok=True)
         clear_outputs(run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     peers = run_dir / "peers.yaml"

@@ -517,12 +517,6 @@ def _check_read(cfg: RunConfig, spec) -> None:
     if searches and a.lr_decay:  # (the search sets each step size: the schedule went unread)
         raise GossipError(f"config key 'algorithm.lr_decay' is {a.lr_decay} but the line "
                           "search (rule fedli_ls) sets each step size; remove it")  # fmt: skip
-    if searches and spec.topology == "given" and a.client_weighting == "step":
-        # (T n_i / n on a step the search sets: each client's size went unweighted, unsaid)
-        raise GossipError("config key 'algorithm.client_weighting' is 'step' (the gossip "
-                          "algorithms' default: T n_i / n on each client's step size) but the "
-                          "line search (rule fedli_ls) sets each client's step; set it to none "
-                          "(plain steps) or gossip (the mix weighs by size)")  # fmt: skip
     if a.mu and not (spec.prox or spec.surrogate == "pfedme"):
         raise GossipError(f"config key 'algorithm.mu' is {a.mu} but '{a.name}' has no "
                           "proximal term (fedprox and pfedme read it)")  # fmt: skip

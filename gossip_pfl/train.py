@@ -1102,16 +1102,15 @@ class Trainer(RoundLoop):
         return self.comm.all_reduce_sum(models)
 
     def nearest_cluster(self, clusters: torch.Tensor, theta_u: torch.Tensor) -> torch.Tensor:
-        """Each unseen client's cluster model of least mean loss on its own training data; one
-        without training data keeps ``theta_u``. (Our choice: Sattler et al. sort a new client
-        down their tree of splits by the cosine similarity of its update.)"""
-        n = self.unseen_train.counts.double()
+        """Each unseen client's cluster model of least mean loss on its own training data
+        (every client has some: :func:`client_ids`). (Our choice: Sattler et al. sort a new
+        client down their tree of splits by the cosine similarity of its update.)"""
         # the cluster models as one client's components (Clustered FL trains one model):
-        # every client's loss under every cluster model in one call, (U, C, N)
+        # every client's loss under every cluster model in one call, (U, C, N); the least
+        # total is the least mean, a client's count dividing every cluster's alike
         as_components = clusters[:, 0].expand(len(theta_u), *clusters[:, 0].shape)
         loss = self.train_losses(as_components, self.unseen_train).double().sum(2)
-        loss = loss / n.clamp_min(1)[:, None]  # (U, C): mean loss on each client's data
-        return torch.where((n > 0)[:, None, None], clusters[loss.argmin(1)], theta_u)
+        return clusters[loss.argmin(1)]
 
     def keys_before(self) -> dict:
         """Before ``algorithm.loss_divisor`` existed, every minibatch was divided by B."""

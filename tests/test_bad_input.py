@@ -103,13 +103,8 @@ def test_runs_refused_before_training(tmp_path, capsys, sets, pattern):
         (["rule.tol1=0.1"], r"rule.tol1 is for clustered\)"),
         (["line_search.c=0.5"], r"line_search.c are for FedLi-LS's line search"),
         (["rule.name=fedli_ls", "algorithm.momentum=0.9"], r"line search .* takes plain steps"),
-        # the search sets the steps: a schedule, and D-FedEM's size weighting of a gossip
-        # client's step, went unread, unsaid
+        # the search sets the steps: a schedule went unread, unsaid
         (["rule.name=fedli_ls", "algorithm.lr_decay=[0.5]"], r"lr_decay' is \[0.5\] but the line"),
-        (
-            ["algorithm.name=dsgd", "schedule={graph: ring}", "rule.name=fedli_ls"],
-            r"'algorithm.client_weighting' is 'step' .* set it to none \(plain steps\) or gossip",
-        ),
         (["algorithm.mu=5"], r"'algorithm.mu' is 5.0 but 'fedavg' has no proximal term"),
         (["pefll.lr=0.1"], r"pefll.lr are for algorithm 'pefll'"),
         (["algorithm.components=5"], r"'algorithm.components' is 5 but 'fedavg' trains one model"),

@@ -172,7 +172,8 @@ def test_resumed_run_ends_with_the_same_summary(algorithm, tmp_path):
 def test_projection_is_counted_and_statistics_stay_finite(tmp_path):
     """A large step with coarse quantization pushes S out of T's domain: projected, never NaN."""
     cfg = _cfg(tmp_path, "naive_em", rounds=6, gamma=3.0, compressor="dithering", p=0.5)
-    _, summary = _run(cfg)
+    with pytest.warns(UserWarning, match=r"in \d+ updates and was projected back"):
+        _, summary = _run(cfg)
     assert summary["projected"] > 0
     assert np.isfinite(summary["statistics"]).all() and np.isfinite(summary["loglik"])
 

@@ -476,3 +476,17 @@ def test_a_peer_without_test_samples_has_no_test_accuracy():
     assert got["test_accuracy_p10"] == pytest.approx(np.percentile([0.9, 0.7], 10))
     assert got["test_accuracy_weighted"] == pytest.approx((0.9 * 5 + 0.7 * 15) / 20)
     assert got["train_accuracy"] == pytest.approx((8 + 12 + 21) / 60)
+
+
+def test_an_unseen_client_without_test_samples_is_left_out_of_their_mean(tmp_path):
+    """The unseen clients' mean accuracy counted one without test samples as 0 (seen
+    clients' left such a client out): its accuracy is missing, not 0."""
+    ds = toy_dataset(8)
+    ds.unseen = [6, 7]
+    c = ds.clients[7]
+    ds.clients[7] = ClientData(c.x_train, c.y_train, c.x_val, c.y_val, c.x_test[:0], c.y_test[:0])
+    tr = Trainer(cfg_for(tmp_path, "fedem", rounds=1), dataset=ds, log=quiet)
+    tr.run()
+    _, acc, n = tr.evaluate_unseen()
+    assert n.tolist() == [30, 0] and acc[0] > 0
+    assert tr.metrics_row(0)["unseen_test_accuracy"] == acc[0]

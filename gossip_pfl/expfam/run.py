@@ -19,7 +19,7 @@ any number of ranks compute the same S_k.
 
 from __future__ import annotations
 
-import sys
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -462,9 +462,9 @@ class ExpFamRun(RoundLoop):
         keep = ("epochs", "h_sq", "H_sq", "loglik", "bits_up", "bits_sent", "projected",
                 "mixture_weights", "imputation_rmse", "mean_imputation_rmse")  # fmt: skip
         if last.get("projected") and self.comm.rank == 0:  # (none in the shipped experiments)
-            print(f"gossip-pfl: warning: S left the M-step's domain in {last['projected']} "
-                  "updates and was projected back: the fit may be degenerate (lower "
-                  f"expfam.gamma, now {self.e.gamma})", file=sys.stderr)  # fmt: skip
+            warnings.warn(f"S left the M-step's domain in {last['projected']} updates and was "
+                          "projected back: the fit may be degenerate (lower expfam.gamma, now "
+                          f"{self.e.gamma})", stacklevel=2)  # fmt: skip
         return {
             "algorithm": self.cfg.algorithm.name,
             "route": self.route,

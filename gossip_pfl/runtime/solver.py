@@ -324,7 +324,7 @@ class LocalArmijo(LocalSGD):
         (without it a search against the pull to the anchor took its smallest step)."""
         if not self.prox_mu:
             return torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
-        return 0.5 * self.prox_mu * (p - anchor).double().flatten(1).pow(2).sum(1)
+        return 0.5 * self.prox_mu * (p.double() - anchor.double()).flatten(1).pow(2).sum(1)
 
     def _decay(self, p: torch.Tensor) -> torch.Tensor:
         if not self.weight_decay:
