@@ -76,6 +76,11 @@ CUDA_GRAPHED = ["dfedem (fused SGD update)", "dfedem, momentum and decay", "pfed
                 "fedem, fedli_lu rule, momentum, decay"]  # fmt: skip
 
 
+#: the CNN's graphed steps (the step size cut tenfold halfway) and its line search
+CNN_GRAPHED = {"lr_decay": [0.5]}
+CNN_LINE_SEARCH = {"name": "fedli_ls", "components": 1, "momentum": 0.0}
+
+
 def graph_case(name: str) -> dict:
     """A graphed-steps case, with the mixtures' smoothed loss weights where it has them
     (pFedMe's single model has none, and the config refuses a key its algorithm does not read)."""
@@ -163,7 +168,7 @@ def test_cnn_graphed_steps_equal_eager_steps(participation, precision, tmp_path)
     3 of 5 clients a round the steps' shapes change between rounds."""
     runs = []
     for graphs in (False, True):
-        tr = cnn_trainer(tmp_path / str(graphs), "cuda", {"lr_decay": [0.5]}, precision=precision,
+        tr = cnn_trainer(tmp_path / str(graphs), "cuda", CNN_GRAPHED, precision=precision,
                          cuda_graph_steps=graphs)  # fmt: skip
         tr.cfg.rounds = 4
         if participation < 1:
@@ -187,8 +192,7 @@ def test_cnn_line_search_as_graphs_takes_the_eager_round(tmp_path):
     and a trial at its threshold could then go the other way in a later round."""
     runs = []
     for graphs in (False, True):
-        tr = cnn_trainer(tmp_path / str(graphs), "cuda",
-                         {"name": "fedli_ls", "components": 1, "momentum": 0.0},
+        tr = cnn_trainer(tmp_path / str(graphs), "cuda", CNN_LINE_SEARCH,
                          cuda_graph_steps=graphs)  # fmt: skip
         runs.append(rounds(tr, 1))
     eager, graphed = runs

@@ -1997,9 +1997,14 @@ def test_the_cuda_tests_configs_are_valid_without_a_gpu(tmp_path):
     """tests/test_cuda.py runs only where a GPU is lent, so a config of its that the checks
     came to refuse went unseen (pFedMe given the mixtures' q_smoothing, found on a lent H200):
     each of its cases' configs loads and builds its trainer here, on the CPU."""
-    from test_cuda import CUDA_FUSED, CUDA_GRAPHED, graph_case
+    from _helpers import cnn_trainer
+    from test_cuda import CNN_GRAPHED, CNN_LINE_SEARCH, CUDA_FUSED, CUDA_GRAPHED, graph_case
 
     cases = [FUSED_CASES[c] for c in CUDA_FUSED] + [graph_case(c) for c in CUDA_GRAPHED]
     for i, case in enumerate(cases):
         tr = trainer(tmp_path / str(i), "auto", case, sizes=[40, 85, 20, 59, 33, 59])
         assert tr.cfg.algorithm.name == case["name"]
+    for i, (case, runtime) in enumerate([(None, {}), (CNN_GRAPHED, {"precision": "bf16"}),
+                                         (CNN_LINE_SEARCH, {})]):  # fmt: skip
+        tr = cnn_trainer(tmp_path / f"cnn{i}", "cpu", case, cuda_graph_steps=True, **runtime)
+        assert tr.cfg.runtime.cuda_graph_steps
