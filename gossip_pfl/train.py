@@ -764,10 +764,10 @@ class Trainer(RoundLoop):
 
             def trial(x, y, sw, mean, last: bool) -> None:
                 def loss_at(cand, _sub):  # (every peer of the step)
-                    loss = self.surrogate.shared_loss(self, cand, x, y, sw) * mean
-                    return loss if anchor is None else loss + solver.prox_loss(cand, anchor[sel])
+                    return self.surrogate.shared_loss(self, cand, x, y, sw) * mean
 
-                solver.trial(theta[sel], s, loss_at, last)
+                rows = None if anchor is None else anchor[sel]
+                solver.trial(theta[sel], s, loss_at, last, anchor=rows)
 
             def start(flat, sw, b_w) -> None:
                 x, y = train.take_flat(flat, shape)

@@ -254,18 +254,13 @@ class LocalArmijo(LocalSGD):
         still searching (:meth:`trial` at ``sub``)."""
         p = theta[rows]
         s = self.begin(p, grad, state, rows, anchor, correction, loss, batches)
-        if self.prox_mu and anchor is not None:  # (FedProx's term: the objective's, searched)
-            a, f = anchor[rows], loss_at
-
-            def loss_at(cand, sub):
-                return f(cand, sub) + self.prox_loss(cand, a if sub is None else a[sub])
-
+        a = anchor[rows] if self.prox_mu and anchor is not None else None
         for trial in range(self.max_trials):
             # (a nonzero is a wait for a GPU: the step graphs take the masked trials)
             sub = s.pending.nonzero()[:, 0]
             if len(sub) == 0:
                 break
-            self.trial(p, s, loss_at, trial == self.max_trials - 1, sub)
+            self.trial(p, s, loss_at, trial == self.max_trials - 1, sub, a)
         self.end(theta, state, rows, p, s)
 
     def begin(
@@ -276,7 +271,7 @@ class LocalArmijo(LocalSGD):
         ||g|| < 1e-8 are not searching."""
         g = self._direction(p, grad, lambda t: t[rows], anchor, correction)
         f0 = loss.double() + self._decay(p)
-        if anchor is not None:
+        if self.prox_mu and anchor is not None:
             f0 = f0 + self.prox_loss(p, anchor[rows])
         g2 = g.double().flatten(1).pow(2).sum(1)
         eta = state.eta[rows].clone()
@@ -290,17 +285,19 @@ class LocalArmijo(LocalSGD):
 
     def trial(
         self, p: torch.Tensor, s: Search, loss_at: Callable, last: bool,
-        sub: torch.Tensor | None = None,
+        sub: torch.Tensor | None = None, anchor: torch.Tensor | None = None,
     ) -> None:  # fmt: skip
         """One trial of the search ``s`` from the step's parameters ``p``, in place: at
         ``sub``, the peers still searching (by index and ``where``: a boolean mask's rows
         would be a wait for a GPU), or at every peer, those done left as they are (None: no
         row count read back, a CUDA graph's form; the same values). ``last``: every peer
-        takes the step size it tried."""
+        takes the step size it tried. ``anchor``: FedProx's, the step's rows of it."""
         take = (lambda t: t) if sub is None else (lambda t: t[sub])
         tried = take(s.eta)
         cand = take(p) - tried.to(p.dtype)[:, None, None] * take(s.g)
         f1 = loss_at(cand, sub).double() + self._decay(cand)
+        if anchor is not None:  # (FedProx's term: the objective's, searched)
+            f1 = f1 + self.prox_loss(cand, take(anchor))
         ok = f1 <= take(s.f0) - self.c * tried * take(s.g2)
         done = ok | last
         then = torch.where(done, tried, tried * self.beta)
@@ -322,8 +319,6 @@ class LocalArmijo(LocalSGD):
         """FedProx's term of the searched objective, ``mu/2 ||p - anchor||^2`` for each row
         (float64): the direction holds its gradient, so the Armijo test must hold the term
         (without it a search against the pull to the anchor took its smallest step)."""
-        if not self.prox_mu:
-            return torch.zeros(p.shape[0], dtype=torch.float64, device=p.device)
         return 0.5 * self.prox_mu * (p.double() - anchor.double()).flatten(1).pow(2).sum(1)
 
     def _decay(self, p: torch.Tensor) -> torch.Tensor:
