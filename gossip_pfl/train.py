@@ -1082,8 +1082,8 @@ class Trainer(RoundLoop):
                 self.finetune_unseen(theta_u, personal)
         if self.M > 1:
             losses = self.train_losses(theta_u, self.unseen_train)
-            iters = 1 if self.cfg.eval.unseen_em == "one_step" else 300
-            personal["pi"] = fit_mixture_weights(losses, self.unseen_train.mask, iters)
+            steps = 1 if self.cfg.eval.unseen_em == "one_step" else 100
+            personal["pi"] = fit_mixture_weights(losses, self.unseen_train.mask, steps)
         theta_u = self.surrogate.eval_state(theta_u, personal)  # pFedMe, APFL: personal models
         nll, acc = self.scores(self.unseen_test, theta_u, personal)
         return tuple(self.gather([nll, acc, self.unseen_test.counts], self.unseen_pos, n_unseen))

@@ -101,37 +101,75 @@ class MixtureSurrogate:
 
 @torch.no_grad()
 def fit_mixture_weights(
-    losses: torch.Tensor, mask: torch.Tensor, iters: int, tol: float = 1e-6
+    losses: torch.Tensor, mask: torch.Tensor, steps: int, tol: float = 1e-10
 ) -> torch.Tensor:
-    """EM on the mixture weights alone, components fixed: pi (L, M) from uniform.
+    """Maximum-likelihood mixture weights, components fixed: pi (L, M) from uniform.
 
-    ``losses`` (L, M, N) per-sample losses, ``mask`` (L, N). The likelihoods are computed once
-    (shifted by the per-sample minimum loss, so huge losses cannot underflow everything); each
-    iteration is then q = pi * lik / sum_m, pi = mean q. Each client stops when its pi moves
-    less than ``tol`` (on its own: its pi does not depend on the clients beside it in the
-    call, a rank's share), or after ``iters`` iterations. Clients without samples keep
-    uniform weights.
+    ``losses`` (L, M, N) per-sample losses, ``mask`` (L, N). A client's objective, the mean
+    over its samples of log sum_m pi_m lik_m (lik = exp(-loss), shifted by the per-sample
+    minimum loss so huge losses cannot underflow everything), is concave in pi, with gradient
+    g. ``steps = 1`` takes EM's step pi_m <- pi_m g_m once (the paper's experiments).
+    Otherwise: Newton steps on the objective plus mu sum_m log pi_m over the simplex (an
+    interior-point method, as Koenker and Mizera, "Convex optimization, shape constraints,
+    compound decisions, and empirical Bayes rules", 2014, use for the same problem, where EM
+    is slow), each backtracked from 0.99 of the way to the simplex's edge until the barrier
+    objective rises enough (Armijo), mu cut 10x each time a step's Newton decrement is small.
+    Plain EM creeps near a weight going to 0: 300 steps left the synthetic study's unseen
+    clients' pi up to 0.12 from the optimum; this certifies it within 16 steps there.
 
-    The host reads whether every client stopped every ``CHECK_EVERY`` iterations, not every
-    one (on a GPU each read waits for the device); each client's pi is kept from the
-    iteration that stopped it, so the result is the same.
+    A client stops when log max_m g_m < ``tol``: that bounds how far its objective is below
+    the maximum (at the maximum max_m g_m = 1), whatever the solver. Each client stops on its
+    own (its pi does not depend on the clients beside it in the call, a rank's share), or
+    after ``steps``; clients without samples keep uniform weights. The host reads whether
+    every client stopped every ``CHECK_EVERY`` steps, not every one (on a GPU each read waits
+    for the device); each client's pi is kept from the step that stopped it, so the result is
+    the same.
     """
     lik = torch.exp(-(losses - losses.min(dim=1, keepdim=True).values)).double()  # (L, M, N)
     weight = mask.double() / mask.sum(-1, keepdim=True).clamp_min(1)  # 1/n_i on real samples
-    pi = torch.full(lik.shape[:2], 1.0 / lik.shape[1], dtype=torch.float64, device=lik.device)
+    n_clients, m = lik.shape[:2]
+    pi = torch.full((n_clients, m), 1.0 / m, dtype=torch.float64, device=lik.device)
     has = mask.sum(-1, keepdim=True) > 0
-    stopped = ~has  # (L, 1)
-    for k in range(iters):
-        # pi_m <- pi_m * mean_i lik_im / sum_k pi_k lik_ik  (two batched products per sweep)
+    if steps == 1:
         denom = torch.einsum("lmn,lm->ln", lik, pi).clamp_min(1e-300)
         new = pi * torch.einsum("lmn,ln->lm", lik, weight / denom)
-        done = (new - pi).abs().amax(-1, keepdim=True) < tol
-        pi = torch.where(stopped, pi, new)
-        stopped = stopped | done
+        return torch.where(has, new, pi).to(losses.dtype)
+    mu = torch.full((n_clients, 1), 0.1, dtype=torch.float64, device=lik.device)
+    shrink = 0.5 ** torch.arange(BACKTRACKS, dtype=torch.float64, device=lik.device)
+    rows = torch.arange(n_clients, device=lik.device)
+
+    def barrier(p: torch.Tensor) -> torch.Tensor:
+        """The objective plus mu sum log p at points p (L, K, M): (L, K)."""
+        dens = torch.bmm(p, lik).clamp_min(1e-300)  # (L, K, N)
+        return (weight[:, None] * torch.log(dens)).sum(-1) + mu * torch.log(p).sum(-1)
+
+    stopped = ~has
+    for k in range(steps):
+        denom = torch.einsum("lmn,lm->ln", lik, pi).clamp_min(1e-300)
+        g = torch.einsum("lmn,ln->lm", lik, weight / denom)
+        stopped = stopped | (torch.log(g.amax(-1, keepdim=True)) < tol)
+        grad = g + mu / pi
+        curv = torch.bmm(lik * (weight / denom**2)[:, None], lik.transpose(1, 2))
+        curv = curv + torch.diag_embed(mu / pi**2)  # minus the Hessian: positive definite
+        # (solve_ex: no check of the result, which on a GPU would wait for the device)
+        x = torch.linalg.solve_ex(curv, torch.stack([grad, torch.ones_like(pi)], -1))[0]
+        nu = x[..., 0].sum(-1, keepdim=True) / x[..., 1].sum(-1, keepdim=True)
+        step = x[..., 0] - nu * x[..., 1]  # Newton's ascent step, along the simplex (sums to 0)
+        decrement = (step * grad).sum(-1, keepdim=True)  # step' curv step
+        room = torch.where(step < 0, 0.99 * pi / (-step).clamp_min(1e-300), 1.0)
+        t = room.amin(-1, keepdim=True).clamp_max(1.0) * shrink  # (L, K) trial lengths
+        trials = pi[:, None] + t[..., None] * step[:, None]  # (L, K, M)
+        rises = barrier(trials) >= barrier(pi[:, None]) + 0.25 * t * decrement
+        first = torch.where(rises.any(-1), rises.int().argmax(-1), BACKTRACKS - 1)
+        new = trials[rows, first]
+        pi = torch.where(stopped, pi, new / new.sum(-1, keepdim=True))
+        mu = torch.where(decrement < 0.5, (mu * 0.1).clamp_min(tol / (10 * m)), mu)
         if (k + 1) % CHECK_EVERY == 0 and bool(stopped.all()):
             break
     return pi.to(losses.dtype)
 
 
-#: iterations of :func:`fit_mixture_weights` between the host's reads of whether it stopped
-CHECK_EVERY = 16
+#: steps of :func:`fit_mixture_weights` between the host's reads of whether it stopped
+CHECK_EVERY = 8
+#: halvings of a Newton step :func:`fit_mixture_weights` tries (all at once, the first kept)
+BACKTRACKS = 12
