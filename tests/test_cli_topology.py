@@ -349,6 +349,35 @@ def test_a_bad_p_is_named_not_estimated(p, tmp_path, capsys):
     assert len(err) == 1 and "p must be" in err[0], err
 
 
+def test_files_a_user_names_in_their_own_way_are_read(tmp_path, capsys):
+    """An upper-case .NPZ is matrices (refused as a graph, with a hint that then failed); a
+    weighted adjacency with a symmetric pattern is an undirected graph whatever its values
+    (read as directed, no weight rule took it); a directed irregular graph is told what to
+    give instead (told "use metropolis", which refuses directed graphs), with its file."""
+    np.savez(tmp_path / "w.npz", W=np.stack([ring_matrix(4), matching(4, 0)]))
+    (tmp_path / "w.npz").rename(tmp_path / "W.NPZ")
+    (tmp_path / "spec.yaml").write_text("graph: W.NPZ\n")
+    for path in ("W.NPZ", "spec.yaml"):
+        assert main(["topology", "describe", str(tmp_path / path), "--json"]) == 0
+        assert json.loads(capsys.readouterr().out)["n"] == 4
+    np.save(tmp_path / "path.npy", [[0, 1, 0], [2, 0, 3], [0, 1, 0.0]])
+    assert main(["topology", "describe", str(tmp_path / "path.npy"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["edges_per_round"] == 4  # 2 edges, both ways
+    np.save(tmp_path / "dir.npy", [[0, 1, 1], [0, 0, 1], [1, 0, 0.0]])
+    assert main(["topology", "describe", str(tmp_path / "dir.npy")]) == 2
+    err = one_error_line(capsys)
+    assert "weights (dir.npy): uniform needs a regular graph" in err and ".npz" in err, err
+
+
+def test_a_link_failure_seed_beyond_64_bits_is_named(tmp_path, capsys):
+    """The failures' hash takes 64 bits: a larger seed was an OverflowError traceback."""
+    spec = tmp_path / "lf.yaml"
+    spec.write_text(f"n: 8\ngraph: ring\ntime_varying: {{kind: link_failure, q: 0.1}}\n"
+                    f"seed: {2**64}\n")  # fmt: skip
+    assert main(["topology", "describe", str(spec)]) == 2
+    assert "seed must be < 2**64" in one_error_line(capsys)
+
+
 def test_a_folder_where_consensus_writes_a_file_is_one_line(tmp_path, capsys, spec_module):
     (tmp_path / "consensus.csv").mkdir()
     spec = str(Path(__file__).resolve().parents[1] / "configs" / "topologies" / "ring16.yaml")

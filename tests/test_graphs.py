@@ -151,8 +151,11 @@ def test_from_adjacency_errors(a, words):
 
 
 def test_from_adjacency_symmetric_required():
-    with pytest.raises(TopologyError, match="not symmetric"):
+    """Its nonzeros' pattern: the values are not read (a weight rule sets the weights)."""
+    with pytest.raises(TopologyError, match=r"has edge \(0, 1\) but not \(1, 0\)"):
         g.from_adjacency(np.array([[0, 1], [0, 0]]), directed=False)
+    path = g.from_adjacency(np.array([[0, 1, 0], [2, 0, 3], [0, 1, 0]]))
+    assert not path.is_directed() and sorted(path.edges()) == [(0, 1), (1, 2)]
 
 
 def test_from_networkx_relabels():

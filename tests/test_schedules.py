@@ -6,9 +6,10 @@ import networkx as nx
 import numpy as np
 import pytest
 
-from topologies import MixingSchedule, TopologyError
+from topologies import MixingSchedule, Phase, TopologyError
 from topologies import graphs as g
 from topologies import schedules as s
+from topologies.analysis import round_properties
 from topologies.validation import is_doubly_stochastic, is_symmetric, validate_schedule
 
 
@@ -56,11 +57,25 @@ def test_static_dense_and_graph():
         (lambda: s.PeriodicSchedule(None), "periodic items must be a list, got NoneType"),
         (lambda: s.graph_schedule(5, "ring", graph_args=[1]), "graph_args must be a mapping"),
         (lambda: s.graph_schedule(5, "ring", seed="x"), "seed must be an int >= 0, got 'x'"),
+        # (a TypeError, an IndexError, NaN errors, False before)
+        (lambda: s.graph_schedule(8, "exponential", {"foo": 1}), "exponential: got an unexp"),
+        (lambda: s.MatchingSchedule(3, nx.path_graph([1, 2, 3])), "relabel with graphs.from_"),
+        (lambda: s.StaticSchedule(_nan_phase()), r"entry \(0, 0\) is not finite: nan"),
+        (lambda: is_symmetric(np.eye(2), tol=float("nan")), "tol must be a finite number"),
+        (lambda: is_doubly_stochastic(np.eye(2), tol=-1), "tol must be a finite number"),
+        (lambda: round_properties(s.StaticSchedule(np.eye(2)), tol=np.nan), "tol must be a"),
+        (lambda: s.LinkFailureSchedule(g.ring(5), seed=2**64), r"seed must be < 2\*\*64"),
     ],
 )
 def test_arguments_of_the_wrong_type_are_named(make, says):
     with pytest.raises(TopologyError, match=says):
         make()
+
+
+def _nan_phase() -> Phase:
+    """A 3-node phase whose rows sum to 1 but for a NaN (NaN passes a sum's check)."""
+    return Phase(3, np.array([0, 0, 1, 1, 2, 2]), np.array([0, 1, 0, 1, 2, 1]),
+                 np.array([np.nan, 0.5, 0.5, 0.5, 0.5, 0.5]))  # fmt: skip
 
 
 def test_exponential_schedule_matches_uniform_rule():

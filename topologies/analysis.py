@@ -26,7 +26,7 @@ from topologies._base import (
     _merge,
     _sum_duplicates,
 )
-from topologies.validation import check_row_stochastic, check_square
+from topologies.validation import _check_tol, check_row_stochastic, check_square
 
 __all__ = [
     "ExplicitSchedule",
@@ -512,7 +512,7 @@ def round_properties(schedule: MixingSchedule, horizon: int = 100, tol: float = 
     False
     """
     _check_horizon(horizon)
-    props, _ = _scan(schedule, horizon, tol)
+    props, _ = _scan(schedule, horizon, _check_tol(tol))
     return props
 
 

@@ -426,8 +426,8 @@ def from_adjacency(adjacency, *, directed: bool | None = None) -> nx.Graph:
     adjacency : array_like
         Square, finite, non-negative matrix. Entry ``(i, j)`` is the edge ``i -> j``.
     directed : bool, optional
-        Default: directed exactly when the matrix is not symmetric. ``False`` requires it to be
-        symmetric.
+        Default: directed exactly when the pattern of nonzeros is not symmetric (the values are
+        not read: a weight rule sets the weights). ``False`` requires a symmetric pattern.
 
     Examples
     --------
@@ -448,10 +448,11 @@ def from_adjacency(adjacency, *, directed: bool | None = None) -> nx.Graph:
     if (a < 0).any():
         i, j = np.argwhere(a < 0)[0]
         raise TopologyError(f"adjacency matrix has a negative entry at ({i}, {j}): {a[i, j]:g}")
-    symmetric = np.array_equal(a, a.T)
+    edge = a != 0
+    symmetric = np.array_equal(edge, edge.T)
     if directed is False and not symmetric:
-        i, j = np.argwhere(a != a.T)[0]
-        raise TopologyError(f"adjacency matrix is not symmetric at ({i}, {j})")
+        i, j = np.argwhere(edge != edge.T)[0]
+        raise TopologyError(f"adjacency matrix has edge ({i}, {j}) but not ({j}, {i})")
     g = nx.DiGraph() if (directed or (directed is None and not symmetric)) else nx.Graph()
     g.add_nodes_from(range(a.shape[0]))
     rows, cols = np.nonzero(a)

@@ -140,6 +140,10 @@ class StaticSchedule(_RowSchedule):
         phase = w if isinstance(w, Phase) else _dense_phase(w)
         self._static = _Rows(phase)
         self.n = phase.size
+        if not np.isfinite(self._static.vals).all():  # (a NaN passes the sums' check)
+            k = int(np.flatnonzero(~np.isfinite(self._static.vals))[0])
+            i, j = self._static.rows[k], self._static.cols[k]
+            raise TopologyError(f"entry ({i}, {j}) is not finite: {self._static.vals[k]}")
         sums = np.bincount(self._static.rows, weights=self._static.vals, minlength=self.n)
         bad = np.flatnonzero(np.abs(sums - 1.0) > 1e-8)
         if len(bad):
@@ -215,7 +219,7 @@ def graph_schedule(
     weights = weights or ("uniform" if directed else "metropolis")
     label = _family_label(family, n, graph_args) + f" / {weights}"
     if family == "exponential" and weights == "uniform":
-        return StaticSchedule(_exponential_uniform(n, **graph_args), name=label)
+        return StaticSchedule(_call_family(family, _exponential_uniform, n, graph_args), name=label)
     graph = _make_graph(family, n, graph_args, seed)
     schedule = StaticSchedule.from_graph(graph, weights, name=label)
     schedule.seed = seed
@@ -237,10 +241,15 @@ def _make_graph(family: str, n: int, args: dict, seed) -> nx.Graph:
         raise TopologyError(f"{family}: the graph's seed is the schedule's seed, not a graph_args")
     if family in RANDOM_FAMILIES:
         kwargs["seed"] = seed
+    return _call_family(family, fn, n, kwargs)
+
+
+def _call_family(family: str, fn, n: int, kwargs: dict):
+    """``fn(n, **kwargs)``, an unknown or missing argument named as the family's."""
     try:
         return fn(n, **kwargs)
-    except TypeError as e:
-        raise TopologyError(f"{family}: {e}") from None
+    except TypeError as e:  # (drop the Python function's name: the user wrote the family's)
+        raise TopologyError(f"{family}: {str(e).split('() ', 1)[-1]}") from None
 
 
 def _exponential_uniform(n: int, k: int = 2) -> Phase:
@@ -411,6 +420,7 @@ class MatchingSchedule(_RowSchedule):
         if graph is not None:
             if graph.is_directed() or graph.number_of_nodes() != self.n:
                 raise TopologyError(f"matching needs an undirected graph on n={self.n} nodes")
+            _weights._check_nodes(graph, "matching")
             edges = [e for e in graph.edges() if e[0] != e[1]]
             self._edges = np.array(edges, dtype=np.int64).reshape(-1, 2)  # (no edges: (0, 2))
         self.name = f"matching(n={self.n})" + ("" if graph is None else " on graph")
@@ -516,6 +526,8 @@ class LinkFailureSchedule(MixingSchedule):
             raise TopologyError("link_failure needs an undirected graph")
         self.q = _graphs._check_prob("q", q, allow_zero=True)
         self.seed = _check_seed(seed)
+        if self.seed >= 2**64:  # the failures hash it as 64 bits
+            raise TopologyError(f"link_failure's seed must be < 2**64, got {self.seed}")
         base = _Rows(weight_rule(weights)(graph, sparse=True))
         self.n = base.n
         own = base.rows == base.cols

@@ -184,12 +184,12 @@ def schedule_from_spec(spec: dict, base_dir: str | Path | None = None) -> Mixing
         if spec.get("graph_args"):
             raise TopologyError("graph_args: not used when graph is a file")
         path = _resolve_path(str(graph), base_dir)
-        if path.suffix != ".npz":
+        if path.suffix.lower() != ".npz":
             loaded = _wrap("graph", _graphs.load_graph, path), path.name
     if "n" not in spec:
         if loaded is not None:
             spec = {**spec, "n": loaded[0].number_of_nodes()}
-        elif isinstance(graph, (str, Path)) and str(graph).endswith(".npz"):
+        elif isinstance(graph, (str, Path)) and str(graph).lower().endswith(".npz"):
             spec = {**spec, "n": load_npz(_resolve_path(str(graph), base_dir)).n}
         else:
             raise TopologyError("n: missing (the number of peers, an int >= 1)")
@@ -324,7 +324,11 @@ def _from_graph(graph: nx.Graph, label: str, n, weights, seed, tv) -> MixingSche
         raise TopologyError(f"weights: {weights!r} needs an undirected graph; {label} is directed")
     if tv is None:
         s = _wrap(
-            "weights", _s.StaticSchedule.from_graph, graph, weights, name=f"{label} / {weights}"
+            f"weights ({label})",
+            _s.StaticSchedule.from_graph,
+            graph,
+            weights,
+            name=f"{label} / {weights}",
         )
     elif tv["kind"] == "random":
         raise TopologyError("time_varying: kind random needs graph to be a random family")

@@ -129,6 +129,7 @@ def check_doubly_stochastic(w, tol: float = 1e-8) -> None:
 
 
 def _as_bool(check, *args) -> bool:
+    """Whether ``check(*args)`` passes (callers check ``tol`` first: a bad one is an error)."""
     try:
         check(*args)
     except TopologyError:
@@ -155,7 +156,7 @@ def is_nonnegative(w, tol: float = 1e-8) -> bool:
     >>> is_nonnegative([[1.0, -1.0], [0.0, 1.0]])
     False
     """
-    return _as_bool(check_nonnegative, w, tol)
+    return _as_bool(check_nonnegative, w, _check_tol(tol))
 
 
 def is_symmetric(w, tol: float = 1e-8) -> bool:
@@ -166,7 +167,7 @@ def is_symmetric(w, tol: float = 1e-8) -> bool:
     >>> is_symmetric(np.full((3, 3), 1 / 3))
     True
     """
-    return _as_bool(check_symmetric, w, tol)
+    return _as_bool(check_symmetric, w, _check_tol(tol))
 
 
 def is_row_stochastic(w, tol: float = 1e-8) -> bool:
@@ -177,7 +178,7 @@ def is_row_stochastic(w, tol: float = 1e-8) -> bool:
     >>> is_row_stochastic([[1.0, 0.0], [0.5, 0.5]])
     True
     """
-    return _as_bool(check_row_stochastic, w, tol)
+    return _as_bool(check_row_stochastic, w, _check_tol(tol))
 
 
 def is_doubly_stochastic(w, tol: float = 1e-8) -> bool:
@@ -188,7 +189,7 @@ def is_doubly_stochastic(w, tol: float = 1e-8) -> bool:
     >>> is_doubly_stochastic([[1.0, 0.0], [0.5, 0.5]])
     False
     """
-    return _as_bool(check_doubly_stochastic, w, tol)
+    return _as_bool(check_doubly_stochastic, w, _check_tol(tol))
 
 
 def validate_schedule(

@@ -387,9 +387,14 @@ def uniform(graph: nx.Graph, *, sparse: bool = False) -> np.ndarray | Phase:
     bad = np.flatnonzero((ind != ind[0]) | (outd != ind[0]))
     if len(bad):
         i = int(bad[0])
+        hint = (  # the other rules need an undirected graph
+            "give its mixing matrices as a schedule file (.npz) instead"
+            if graph.is_directed()
+            else "use metropolis"
+        )
         raise TopologyError(
             f"uniform needs a regular graph; node {i} has in-degree {ind[i]}, out-degree "
-            f"{outd[i]} vs {ind[0]} at node 0 (use metropolis)"
+            f"{outd[i]} vs {ind[0]} at node 0 ({hint})"
         )
     w = 1.0 / (1.0 + ind[0])
     diag = np.arange(n, dtype=np.int64)
