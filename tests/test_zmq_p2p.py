@@ -103,6 +103,32 @@ def test_peer_processes_equal_one_process(tmp_path):
         cli_peer.merge(tmp_path / "run")
 
 
+def test_a_process_that_never_exchanges_answers_before_it_closes():
+    """Local exchanges nothing, so its processes meet only by their hellos. Process 1 starts
+    after process 0's first hellos found nobody; 0 hears it, answers and closes at once: it
+    closed without lingering for a peer of no exchange, its answer and hellos were thrown
+    away, and process 1 waited runtime.timeout_s and exited 2 (`peers-local` of Local failed
+    in 1 run of 2)."""
+    peers = _ports(2)
+    first = zc.ZmqComm(0, peers, "cpu", 5, p2p=True, link_timeout_s=1)
+
+    def run_first():
+        try:
+            first.join(0, need_all=True)
+        finally:
+            first.close()
+
+    thread = threading.Thread(target=run_first)
+    thread.start()
+    time.sleep(0.5)  # its first hellos find nobody
+    second = zc.ZmqComm(1, peers, "cpu", 5, p2p=True, link_timeout_s=1)
+    try:
+        assert second.join(0, need_all=True) == 0
+    finally:
+        second.close()
+        thread.join(10)
+
+
 def _threads(n: int, fn, *args) -> dict:
     out: dict = {}
     threads = [threading.Thread(target=fn, args=(*args[k], out, k)) for k in range(n)]

@@ -301,6 +301,7 @@ class ZmqComm:
         self.config_digest = 0
         self._other_config: set[int] = set()  # peers whose hello named another digest
         self._live: set[int] = set()  # the links that counted in the last exchange
+        self._exchanged = False  # whether an exchange ran (self._live is its links)
         self._near: set[int] = set()  # every rank linked in an exchange so far (keepalives)
         self.last_links: dict = {}  # the last p2p exchange's links and the ones lost
         if rank not in self.peers:
@@ -864,7 +865,7 @@ class ZmqComm:
         for r in links - done - set(down):  # nothing was sent on an injected drop
             self._reset(r)
         self._silent -= heard | done
-        self._live = done
+        self._live, self._exchanged = done, True
         self._answer_hellos()
         self._silent |= {r for r in links - done if r not in heard and r in waiting}
         lost = set(recvs) - done
@@ -954,8 +955,10 @@ class ZmqComm:
             linger = self.timeout_s
             if self.p2p:  # hellos for a peer that never came are not worth waiting for, but
                 # for one started with another config they tell it to stop (a second at most:
-                # it may have stopped already)
-                linger = self.link_timeout_s if peer in self._live else 0
+                # it may have stopped already); before any exchange (Local has none) the
+                # peers heard from are live: a last answer to a hello may still be queued
+                live = self._live if self._exchanged else self._heard
+                linger = self.link_timeout_s if peer in live else 0
                 if peer in self._other_config:
                     linger = min(self.link_timeout_s, 1.0)
             sock.close(linger=int(linger * 1000))
