@@ -1325,6 +1325,7 @@ class Trainer(RoundLoop):
         """Load RUN_DIR/checkpoint.pt into this rank's peers; returns (first round, rows)."""
         state = checkpoint.load(out)  # digest checked: altered or truncated files stop here
         where = f"--resume {out}"
+        check_same_checkpoint(self.comm, state, where)
         self.check_config(state, where)  # a changed key, named before the shapes it changes
         self.check_data(state, where)
         # keys, shapes, peer count and components, before any of this rank's state is touched
@@ -1547,6 +1548,32 @@ def check_same_config(comm, cfg: RunConfig) -> None:
     raise GossipError(f"rank {other} was started with another config than rank 0's (keys "
                       f"differ: {keys}); start every rank with the same config and "
                       "--set")  # fmt: skip
+
+
+def check_same_checkpoint(comm, state: dict, where: str) -> None:
+    """Every rank resumes from rank 0's checkpoint. Each reads its own RUN_DIR (a node's stale
+    copy of the folder): ranks at rounds 20 and 10 trained together, one aborted inside Gloo,
+    the other saved a mix that a later resume finished with exit 0. One all-reduce of each
+    rank's (round, digest of its metrics rows: another run's differ)."""
+    if comm.world_size == 1 or not comm.collectives:
+        return
+    import hashlib
+    import json
+
+    text = json.dumps(state["rows"], sort_keys=True, default=str).encode()
+    digest = int.from_bytes(hashlib.sha256(text).digest()[:4], "big") >> 1
+    table = torch.zeros(comm.world_size, 2, dtype=torch.int64, device=comm.device)
+    table[comm.rank] = torch.tensor([int(state["rounds_done"]), digest])
+    table = comm.all_reduce_sum(table).cpu()
+    other = next((k for k in range(comm.world_size) if not torch.equal(table[k], table[0])), None)
+    if other is None:
+        return
+    (mine, _), (first, _) = table[other].tolist(), table[0].tolist()
+    what = (f"a checkpoint of round {mine}, rank 0 one of round {first}" if mine != first
+            else f"another run's checkpoint of round {mine} than rank 0")  # fmt: skip
+    raise GossipError(f"{where}: rank {other} read {what}; every rank reads RUN_DIR/"
+                      f"{checkpoint.FILE}: give them all the same folder (a shared file "
+                      "system, or copies of rank 0's)")  # fmt: skip
 
 
 def config_digest(cfg: RunConfig, skip: tuple[str, ...]) -> tuple[int, dict]:

@@ -4,6 +4,7 @@ uninterrupted one, also on a different number of ranks."""
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -77,6 +78,30 @@ def test_resume_on_more_ranks(tmp_path):
         merged.update(value)
     for p, (th, _) in merged.items():
         np.testing.assert_allclose(th, theta[p], rtol=1e-6, atol=1e-7)
+
+
+def _resume_own(cfgs):
+    """Rank r resumes from its own folder, cfgs[r] (a node's copy of the run folder)."""
+    return resume(cfgs[int(os.environ["RANK"])])
+
+
+def test_ranks_that_read_different_checkpoints_stop_before_training(tmp_path):
+    """Each rank reads its own RUN_DIR: ranks at rounds 4 and 2 trained together (one
+    aborted inside Gloo, the other saved a mix a later resume finished, exit 0); same round,
+    another run's (lr 0.3) is named too. Nothing is written."""
+    run_until(cfg_for(tmp_path / "a"), stop_after=4)
+    run_until(cfg_for(tmp_path / "b"), stop_after=2)
+    run_until(cfg_for(tmp_path / "c", algorithm={"name": "dfedem", "components": 2, "lr": 0.3,
+                                                  "momentum": 0.5, "batch_size": 16}),
+              stop_after=4)  # fmt: skip
+    before = (tmp_path / "a" / "metrics.jsonl").read_text()
+    cases = {"b": "rank 1 read a checkpoint of round 2, rank 0 one of round 4",
+             "c": "rank 1 read another run's checkpoint of round 4 than rank 0"}  # fmt: skip
+    for other, says in cases.items():
+        results = run_ranks(2, _resume_own, [cfg_for(tmp_path / "a"), cfg_for(tmp_path / other)])
+        for status, value in results:
+            assert status == "error" and says in value and "same folder" in value, value
+    assert (tmp_path / "a" / "metrics.jsonl").read_text() == before
 
 
 def test_resume_with_other_runtime_settings(tmp_path):

@@ -478,8 +478,12 @@ def test_ranks_may_read_from_their_own_places(tmp_path):
                  f"schedule={tmp_path / 'ring.yaml' if r else tmp_path / '.' / 'ring.yaml'}"]
                 for r in range(2)]  # fmt: skip
     assert run_ranks(2, _check_configs, base, per_rank, 2.5) == [("ok", "same")] * 2
-    per_rank[1].append("rounds=3")
-    says = "rank 1 was started with another config than rank 0's (keys differ: rounds)"
+    per_rank[1] += ["runtime.threads=1", "runtime.step_chunk=64"]  # how it runs: its own
+    assert run_ranks(2, _check_configs, base, per_rank) == [("ok", "same")] * 2
+    # what every rank computes: a bf16 rank trained a mix of two runs, exit 0
+    per_rank[1] += ["rounds=3", "runtime.precision=bf16"]
+    says = ("rank 1 was started with another config than rank 0's (keys differ: rounds, "
+            "runtime.precision)")  # fmt: skip
     assert [v.split(";")[0] for _, v in run_ranks(2, _check_configs, base, per_rank)] == [says] * 2
 
 
