@@ -157,14 +157,16 @@ class ExpFamConfig:
 @dataclass
 class EvalConfig:
     every: int = 10  #: evaluate every k rounds (and after the last)
-    #: local epochs of plain SGD on a copy of each peer's model (and of an unseen client's
-    #: average model) before it is evaluated (FedAvg+); unset: the algorithm's default (1 for
-    #: fedavg_plus, else 0)
+    #: local epochs of plain SGD at `algorithm.lr` on a copy of each peer's model (and of an
+    #: unseen client's average model) before it is evaluated (FedAvg+; pFedMe and APFL take
+    #: their own local update of their personal models instead); unset: the algorithm's
+    #: default (1 for fedavg_plus, else 0)
     finetune_epochs: int | None = None
     #: samples per evaluation forward, all peers (0: model's hint or 16384); on a CPU as many
     #: such calls as the run has threads run at once
     chunk: int = 0
-    unseen_em: str = "converge"  #: converge | one_step (the paper's experiments)
+    #: converge | one_step (the paper's experiments); mixtures (M > 1) only
+    unseen_em: str = "converge"
 
 
 @dataclass
@@ -489,6 +491,14 @@ def _check_read(cfg: RunConfig, spec) -> None:
     if spec.single_model and a.components not in (1, AlgorithmConfig.components):
         raise GossipError(f"config key 'algorithm.components' is {a.components} but "
                           f"'{a.name}' trains one model (M = 1)")  # fmt: skip
+    if a.local_steps is not None and a.local_epochs != AlgorithmConfig.local_epochs:
+        raise GossipError(f"config key 'algorithm.local_epochs' is {a.local_epochs} but "
+                          f"algorithm.local_steps ({a.local_steps}) sets the round's steps; "
+                          "set one of them")  # fmt: skip
+    one_model = spec.single_model or a.components == 1
+    if cfg.eval.unseen_em != EvalConfig.unseen_em and one_model:
+        raise GossipError(f"config key 'eval.unseen_em' is {cfg.eval.unseen_em!r} but "
+                          f"'{a.name}' fits no mixture weights (M = 1)")  # fmt: skip
     star = spec.topology == "server" and rule != "clustered"  # (clustered weighs by size)
     if cfg.aggregation != RunConfig.aggregation and not star:
         raise GossipError(f"config key 'aggregation' is {cfg.aggregation!r} but '{a.name}' has "

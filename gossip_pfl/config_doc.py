@@ -46,7 +46,7 @@ MEANINGS: dict[str, str] = {
     "algorithm.momentum": "local SGD momentum, in [0, 1)",
     "algorithm.weight_decay": "L2 weight decay of the local solver",
     "algorithm.batch_size": "minibatch size of a local step",
-    "algorithm.local_epochs": "passes over the local data per round (unless `local_steps`)",
+    "algorithm.local_epochs": "passes over the data per round (left unset with `local_steps`)",
     "algorithm.local_steps": "fixed local steps per round instead of epochs (0: pure gossip)",
     "eval.every": "evaluate every k rounds and after the last",
     "rule.beta2": "FedAdam / FedYogi / FedAdagrad: second-moment decay",

@@ -1183,6 +1183,11 @@ class Trainer(RoundLoop):
             plain = LocalSGD(self.cfg.algorithm.lr)
             solver, client, self.solver, self.client = self.solver, self.client, plain, None
             line_search, self.line_search = self.line_search, False
+            # at lr itself, as an unseen client's: gossip's client weighting scales a training
+            # step by T n_i / n (a seen client's fine-tune took 0.5 to 1.6 lr)
+            scale, unit = self.lr_scale, self.unit_scale
+            self.lr_scale, self.unit_scale = torch.ones_like(scale), True
+            self.__dict__.pop("_lr_scale_np", None)
             kept = self.last_loss.clone()  # (FedLi's losses for the rule are the round's)
             try:
                 self.local_steps(
@@ -1191,6 +1196,8 @@ class Trainer(RoundLoop):
                 )  # fmt: skip
             finally:
                 self.solver, self.client, self.line_search = solver, client, line_search
+                self.lr_scale, self.unit_scale = scale, unit
+                self.__dict__.pop("_lr_scale_np", None)
                 self.last_loss.copy_(kept)
         theta = self.surrogate.eval_state(theta, personal)
         nll, acc = self.scores(split, theta, personal)

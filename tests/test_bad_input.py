@@ -123,6 +123,15 @@ def test_runs_refused_before_training(tmp_path, capsys, sets, pattern):
         (["algorithm.name=apfl", "algorithm.inner_steps=9"], r"inner_steps' is 9 but 'apfl'"),
         (["algorithm.name=pfedme", "algorithm.alpha_lr=0.5"], r"alpha_lr' is 0.5 but 'pfedme'"),
         (["algorithm.personal_lr=0.5"], r"personal_lr' is 0.5 but 'fedavg' does not read it"),
+        (
+            ["algorithm.local_steps=2", "algorithm.local_epochs=3"],
+            r"'algorithm.local_epochs' is 3 but algorithm.local_steps \(2\) sets the round's",
+        ),
+        (["eval.unseen_em=one_step"], r"'one_step' but 'fedavg' fits no mixture weights"),
+        (
+            ["algorithm.name=fedem", "algorithm.components=1", "eval.unseen_em=one_step"],
+            r"'one_step' but 'fedem' fits no mixture weights \(M = 1\)$",
+        ),
     ],
 )
 def test_keys_no_part_of_the_run_reads_are_refused(tmp_path, capsys, sets, pattern):

@@ -172,8 +172,10 @@ def small_run_args(args: list[str]) -> list[str]:
     data = cfg.data.options
     from gossip_pfl.algorithms import get_algorithm
 
-    workload = get_algorithm(cfg.algorithm.name).workload
-    if workload == "model":  # (the others' runs refuse a key they do not read)
+    spec = get_algorithm(cfg.algorithm.name)
+    workload = spec.workload
+    mixture = not spec.single_model and cfg.algorithm.components > 1
+    if workload == "model" and mixture:  # (the others' runs refuse a key they do not read)
         extra["eval.unseen_em"] = "one_step"
     if workload == "expfam":  # its data is expfam.*
         pass
