@@ -268,6 +268,21 @@ def test_unseen_em_reaches_the_maximum_likelihood_where_em_creeps():
     torch.testing.assert_close(one[3], torch.full((3,), 1 / 3))
 
 
+@pytest.mark.parametrize("tol", [1e-10, 0.0])
+def test_unseen_em_with_equal_components(tol):
+    """Equal components make the Newton system singular along their difference (a run's
+    components at their common start): all equal, pi stays uniform (any pi is optimal);
+    two equal, their weights split evenly and their sum is the optimum of the merged pair."""
+    losses = torch.rand(3, 3, 30, generator=torch.Generator().manual_seed(0))
+    losses[0, 1:] = losses[0, 0]
+    losses[1:, 1] = losses[1:, 0]
+    pi = fit_mixture_weights(losses, torch.ones(3, 30), 100, tol)
+    torch.testing.assert_close(pi[0], torch.full((3,), 1 / 3))
+    torch.testing.assert_close(pi[1:, 0], pi[1:, 1], rtol=0, atol=1e-3)
+    pair = fit_mixture_weights(losses[1:, 1:], torch.ones(2, 30), 100, tol)
+    torch.testing.assert_close(pi[1:, 0] + pi[1:, 1], pair[:, 0], rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("tol", [1e-3, 1e-10, 0.0])
 def test_unseen_em_stops_each_client_on_its_own_and_reads_its_stop_rarely(tol, monkeypatch):
     """Each client's pi is the one of fitting it alone (up to float rounding: the clients

@@ -162,8 +162,10 @@ def fit_mixture_weights(
         rises = barrier(trials) >= barrier(pi[:, None]) + 0.25 * t * decrement
         first = torch.where(rises.any(-1), rises.int().argmax(-1), BACKTRACKS - 1)
         new = trials[rows, first]
-        pi = torch.where(stopped, pi, new / new.sum(-1, keepdim=True))
-        mu = torch.where(decrement < 0.5, (mu * 0.1).clamp_min(tol / (10 * m)), mu)
+        new = new / new.sum(-1, keepdim=True)
+        # (a singular system, e.g. two equal components with mu near 0, leaves pi as it is)
+        pi = torch.where(stopped | ~torch.isfinite(new).all(-1, keepdim=True), pi, new)
+        mu = torch.where(decrement < 0.5, (mu * 0.1).clamp_min(max(tol, 1e-12) / (10 * m)), mu)
         if (k + 1) % CHECK_EVERY == 0 and bool(stopped.all()):
             break
     return pi.to(losses.dtype)
