@@ -111,7 +111,9 @@ def test_load_graph_of_an_npz_or_a_binary_file(tmp_path):
 def test_validation_and_rho_on_what_is_no_matrix():
     assert not T.is_doubly_stochastic("ab") and not T.is_square([[1, 0], [0]])  # raw errors
     assert not T.is_square(np.zeros((0, 0)))  # was True
-    assert not T.is_doubly_stochastic([[2.0]], tol=float("nan"))  # a NaN tol passed it
+    # a NaN tol passed every check, then read as False: a bad tol is an error
+    with pytest.raises(T.TopologyError, match="tol must be a finite number >= 0"):
+        T.is_doubly_stochastic([[2.0]], tol=float("nan"))
     with pytest.raises(T.TopologyError, match="tol must be a finite number >= 0"):
         T.validation.check_symmetric(np.eye(2), tol=-1)
     for bad in (np.ones((2, 3)), np.zeros((0, 0)), [1, 2]):  # rho 1.22, a ZeroDivisionError...
