@@ -67,7 +67,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
         from gossip_pfl.expfam.run import plot_run
 
         try:
-            paths = plot_run(em[0].path, out)
+            paths = plot_run(em[0].path, out, labels[0] if labels else None)
         except OSError as err:
             raise GossipError(f"cannot write {out}: {err.strerror or err}") from None
         for path in paths:

@@ -314,6 +314,19 @@ def test_plot_of_an_em_run_draws_its_own_figure(tmp_path, capsys):
     out = tmp_path / "figs"
     assert main(["plot", str(run), "--out", str(out)]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["expfam.png"]
+    # --labels titles it (it was ignored): the figure saved holds the label
+    import matplotlib.figure
+
+    titles, save = [], matplotlib.figure.Figure.savefig
+
+    def saved(fig, *args, **kwargs):
+        titles.append(fig.get_suptitle())
+        return save(fig, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(matplotlib.figure.Figure, "savefig", saved)
+        assert main(["plot", str(run), "--out", str(out), "--labels", "gossip EM"]) == 0
+    assert titles == ["gossip EM"]
     capsys.readouterr()
     assert main(["plot", str(run), str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()

@@ -543,9 +543,9 @@ class ExpFamRun(RoundLoop):
         return state["rounds_done"], list(state["rows"])
 
 
-def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
+def plot_run(run_dir: Path, out: Path | None = None, label: str | None = None) -> list[Path]:
     """||h(S_k)||^2 and ||H_k||^2 (and the mixture weights) against epochs, written to
-    ``out`` (default RUN_DIR/plots) as expfam.png."""
+    ``out`` (default RUN_DIR/plots) as expfam.png; ``label`` titles the figure."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -569,6 +569,8 @@ def plot_run(run_dir: Path, out: Path | None = None) -> list[Path]:
     if panels == 3:
         axes[2].plot(ep, [r["mixture_weights"] for r in rows])
         axes[2].set(xlabel="epochs", title="mixture weights")
+    if label:
+        fig.suptitle(label)
     fig.tight_layout()
     out = Path(run_dir) / "plots" if out is None else Path(out)
     out.mkdir(parents=True, exist_ok=True)
