@@ -88,7 +88,8 @@ class RuleConfig:
     name: str | None = None  #: average | server_sgd | fedavgm | fedadam | fedyogi | ...
     lr: float | None = None  #: server step size (default per rule: 1, or 0.01 for fedadam & co)
     momentum: float = 0.9  #: FedAvgM's server momentum
-    beta1: float = 0.9  #: FedAdam / FedYogi / FedAdagrad (Reddi et al. 2021)
+    #: FedAdam / FedYogi / FedAdagrad (Reddi et al., Adaptive Federated Optimization, 2021)
+    beta1: float = 0.9
     beta2: float = 0.99
     tau: float = 1e-3  #: adaptivity: step lr m / (sqrt(v) + tau)
     eps: float = 1e-3  #: FedExP's epsilon

@@ -344,9 +344,11 @@ def schedule_rows() -> tuple[list[tuple[str, str]], list[tuple[str, str, str]]]:
                 shown.append(f"{p}={yaml_value(signature[p].default)}")
         what = {
             "one_peer_exponential": "time-varying: one peer per round, exact average after "
-            "log2(n) rounds (Ying et al. 2021)",
+            "log2(n) rounds (Ying et al., Exponential Graph is Provably Efficient for "
+            "Decentralized Deep Training, 2021)",
             "base": "time-varying: Base-(k+1) graph, exact average for any n "
-            "(Takezawa et al. 2023)",
+            "(Takezawa et al., Beyond Exponential Graph: Communication-Efficient Topologies "
+            "for Decentralized Learning via Finite-time Convergence, 2023)",
             "server": "a hub and two phases per round (up, down)",
         }.get(name)
         if what is None:

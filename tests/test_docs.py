@@ -36,7 +36,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("**/*.md"))]
 #: pages whose ```python blocks are scripts (docs/rules.md's are fragments of an interface)
 PYTHON_PAGES = {p.name for p in PAGES} - {"rules.md"}
 #: folders of the repository a scratch folder sees (read only by the commands)
