@@ -26,12 +26,10 @@ import io
 import os
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import fields
 from pathlib import Path
 
 import torch
 
-from gossip_pfl.config import RuntimeConfig
 from gossip_pfl.errors import GossipError
 from gossip_pfl.rundir import CHECKPOINT_FILE as FILE
 
@@ -303,16 +301,21 @@ def _kind(value: object) -> str:
 #: run (device, backend, batching, call sizes: like the number of ranks, these change float
 #: rounding, not the algorithm)
 RESUMABLE = ("out", "rounds", "checkpoint_every", "runtime")
-#: how a process runs, which may differ between the ranks or processes of one run (its device,
-#: threads, call sizes, timeouts: float rounding), but for the precision of its products and
-#: the simulated link faults, which change what all of them compute (a rank's --set
-#: runtime.precision=bf16 trained a mix of two runs, exit 0)
-_RUNTIME_PER_PROCESS = tuple(
-    f"runtime.{f.name}" for f in fields(RuntimeConfig) if f.name not in ("precision", "faults")
-)
+#: the runtime keys that may differ between the ranks or processes of one run: how each runs
+#: (its device, threads, call sizes, timeouts, address: float rounding at most) ...
+RUNTIME_PER_PROCESS = (
+    "device", "backend", "batching", "cpu_kernels", "cuda_graphs", "cuda_graph_steps",
+    "timeout_s", "metrics_every", "step_chunk", "deterministic", "threads", "transport", "peers",
+    "link_timeout_s",
+)  # fmt: skip
+#: ... and those that may not: the precision of the products and the simulated link faults
+#: change what all of them compute (a rank's --set runtime.precision=bf16 trained a mix of two
+#: runs, exit 0). Every runtime key is in one of the two (a test checks it).
+RUNTIME_SHARED = ("precision", "tf32", "faults")
 #: what may differ between the ranks or processes of one run: where each reads and writes
 #: (node-local data and caches), and how it runs
-PER_PROCESS = ("out", *_RUNTIME_PER_PROCESS, "data.root", "data.cache_dir", "eval.chunk")
+PER_PROCESS = ("out", *(f"runtime.{k}" for k in RUNTIME_PER_PROCESS), "data.root",
+               "data.cache_dir", "eval.chunk")  # fmt: skip
 #: ... and between the processes of a peer-to-peer run, each saving its own checkpoints
 PEER_PROCESS = (*PER_PROCESS, "checkpoint_every")
 

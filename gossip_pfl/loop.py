@@ -140,6 +140,18 @@ class RoundLoop:
                 f"or start a run of {self.cfg.rounds} rounds"
             )
 
+    def load_checkpoint(self, out: Path) -> dict:
+        """RUN_DIR/checkpoint.pt (digest checked), the same on every rank: compared before
+        any rank's own checks of it, so that all of them stop with the same line."""
+        from gossip_pfl import checkpoint
+
+        state = checkpoint.load(out)
+        done = state.get("rounds_done") if isinstance(state, dict) else None
+        rows = state.get("rows") if isinstance(state, dict) else None
+        check_same_checkpoint(self.comm, done if isinstance(done, int) else -1, rows,
+                              f"--resume {out}")  # fmt: skip
+        return state
+
     def data_state(self) -> dict | None:
         """What a checkpoint keeps of the workload's ``dataset`` (a FederatedDataset; None
         without one): its name and digest, for :meth:`check_data`."""
@@ -253,6 +265,32 @@ class RoundLoop:
             )
         signals = rundir.StopSignals.SIGNALS  # SIGTERM wins over SIGINT
         return next((int(s) for s, n in zip(signals[::-1], got[:-1][::-1]) if n), 0)
+
+
+def check_same_checkpoint(comm, rounds_done: int, rows: list, where: str) -> None:
+    """Every rank resumed from rank 0's checkpoint (its round ``rounds_done`` and metrics
+    ``rows``). Each reads its own RUN_DIR (a node's stale copy of the folder): ranks at rounds
+    20 and 10 trained together, one aborted inside Gloo, the other saved a mix that a later
+    resume finished with exit 0. One all-reduce of each rank's (round, digest of its rows:
+    another run's differ); processes of a peer-to-peer run each resume their own."""
+    if comm.world_size == 1 or not comm.collectives:
+        return
+    import hashlib
+
+    text = json.dumps(rows, sort_keys=True, default=str).encode()
+    digest = int.from_bytes(hashlib.sha256(text).digest()[:4], "big") >> 1
+    table = torch.zeros(comm.world_size, 2, dtype=torch.int64, device=comm.device)
+    table[comm.rank] = torch.tensor([int(rounds_done), digest])
+    table = comm.all_reduce_sum(table).cpu()
+    other = next((k for k in range(comm.world_size) if not torch.equal(table[k], table[0])), None)
+    if other is None:
+        return
+    (mine, _), (first, _) = table[other].tolist(), table[0].tolist()
+    what = (f"a checkpoint of round {mine}, rank 0 one of round {first}" if mine != first
+            else f"another run's checkpoint of round {mine} than rank 0")  # fmt: skip
+    raise GossipError(f"{where}: rank {other} read {what}; every rank reads RUN_DIR/"
+                      f"{rundir.CHECKPOINT_FILE}: give them all the same folder (a shared file "
+                      "system, or copies of rank 0's)")  # fmt: skip
 
 
 class PhaseClock:

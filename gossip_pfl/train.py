@@ -1060,8 +1060,9 @@ class Trainer(RoundLoop):
     @torch.no_grad()
     def evaluate_unseen(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Clients held out of training: download the peers' average components, keep them
-        fixed, fit pi by EM on the client's own training data (to convergence, or one step
-        from uniform as in the paper), then evaluate (every client has training data:
+        fixed, fit pi to maximum likelihood on the client's own training data (to the
+        optimum, or one EM step from uniform as in the paper), then evaluate (every client
+        has training data:
         :func:`client_ids`). Under Clustered FL a client takes the cluster model of least
         loss on its training data instead."""
         n_unseen = len(self.unseen_ids)
@@ -1181,23 +1182,26 @@ class Trainer(RoundLoop):
             theta = theta.clone()
             personal = {k: v.clone() for k, v in personal.items()}
             plain = LocalSGD(self.cfg.algorithm.lr)
-            solver, client, self.solver, self.client = self.solver, self.client, plain, None
-            line_search, self.line_search = self.line_search, False
-            # at lr itself, as an unseen client's: gossip's client weighting scales a training
-            # step by T n_i / n (a seen client's fine-tune took 0.5 to 1.6 lr)
-            scale, unit = self.lr_scale, self.unit_scale
-            self.lr_scale, self.unit_scale = torch.ones_like(scale), True
-            self.__dict__.pop("_lr_scale_np", None)
             kept = self.last_loss.clone()  # (FedLi's losses for the rule are the round's)
+            saved = (self.solver, self.client, self.line_search, self.lr_scale, self.unit_scale,
+                     self.__dict__.get("_lr_scale_np"))  # fmt: skip
             try:
+                self.solver, self.client, self.line_search = plain, None, False
+                # at lr itself, as an unseen client's: gossip's client weighting scales a
+                # training step by T n_i / n (a seen client's fine-tune took 0.5 to 1.6 lr)
+                self.lr_scale, self.unit_scale = torch.ones_like(self.lr_scale), True
+                self._lr_scale_np = np.ones(self.lr_scale.shape, dtype=np.float32)
                 self.local_steps(
                     theta, None, plain.init(theta), self.round, self.finetune_epochs,
                     personal=personal, stream=1,
                 )  # fmt: skip
             finally:
-                self.solver, self.client, self.line_search = solver, client, line_search
-                self.lr_scale, self.unit_scale = scale, unit
+                self.solver, self.client, self.line_search, self.lr_scale, self.unit_scale = saved[
+                    :5
+                ]
                 self.__dict__.pop("_lr_scale_np", None)
+                if saved[5] is not None:  # (no read back from a GPU)
+                    self._lr_scale_np = saved[5]
                 self.last_loss.copy_(kept)
         theta = self.surrogate.eval_state(theta, personal)
         nll, acc = self.scores(split, theta, personal)
@@ -1330,9 +1334,8 @@ class Trainer(RoundLoop):
 
     def restore(self, out: Path) -> tuple[int, list]:
         """Load RUN_DIR/checkpoint.pt into this rank's peers; returns (first round, rows)."""
-        state = checkpoint.load(out)  # digest checked: altered or truncated files stop here
+        state = self.load_checkpoint(out)  # digest checked: altered or truncated files stop
         where = f"--resume {out}"
-        check_same_checkpoint(self.comm, state, where)
         self.check_config(state, where)  # a changed key, named before the shapes it changes
         self.check_data(state, where)
         # keys, shapes, peer count and components, before any of this rank's state is touched
@@ -1555,32 +1558,6 @@ def check_same_config(comm, cfg: RunConfig) -> None:
     raise GossipError(f"rank {other} was started with another config than rank 0's (keys "
                       f"differ: {keys}); start every rank with the same config and "
                       "--set")  # fmt: skip
-
-
-def check_same_checkpoint(comm, state: dict, where: str) -> None:
-    """Every rank resumes from rank 0's checkpoint. Each reads its own RUN_DIR (a node's stale
-    copy of the folder): ranks at rounds 20 and 10 trained together, one aborted inside Gloo,
-    the other saved a mix that a later resume finished with exit 0. One all-reduce of each
-    rank's (round, digest of its metrics rows: another run's differ)."""
-    if comm.world_size == 1 or not comm.collectives:
-        return
-    import hashlib
-    import json
-
-    text = json.dumps(state["rows"], sort_keys=True, default=str).encode()
-    digest = int.from_bytes(hashlib.sha256(text).digest()[:4], "big") >> 1
-    table = torch.zeros(comm.world_size, 2, dtype=torch.int64, device=comm.device)
-    table[comm.rank] = torch.tensor([int(state["rounds_done"]), digest])
-    table = comm.all_reduce_sum(table).cpu()
-    other = next((k for k in range(comm.world_size) if not torch.equal(table[k], table[0])), None)
-    if other is None:
-        return
-    (mine, _), (first, _) = table[other].tolist(), table[0].tolist()
-    what = (f"a checkpoint of round {mine}, rank 0 one of round {first}" if mine != first
-            else f"another run's checkpoint of round {mine} than rank 0")  # fmt: skip
-    raise GossipError(f"{where}: rank {other} read {what}; every rank reads RUN_DIR/"
-                      f"{checkpoint.FILE}: give them all the same folder (a shared file "
-                      "system, or copies of rank 0's)")  # fmt: skip
 
 
 def config_digest(cfg: RunConfig, skip: tuple[str, ...]) -> tuple[int, dict]:

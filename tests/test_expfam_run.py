@@ -150,6 +150,30 @@ def test_one_process_and_two_gloo_ranks_give_the_same_statistics(tmp_path):
             assert value[name][2] == bits
 
 
+def _resume_own(dirs):
+    """Rank r resumes from its own folder dirs[r] (a node's copy of the run folder)."""
+    import os
+
+    comm = init_comm("cpu", "auto", 30.0)
+    try:
+        _run(_cfg(dirs[int(os.environ["RANK"])], rounds=9), resume=True, comm=comm)
+    finally:
+        comm.close()
+
+
+def test_ranks_that_read_different_checkpoints_stop_before_training(tmp_path):
+    """EM's ranks at rounds 6 and 3 trained together (both timed out inside Gloo, rank 0's
+    folder gained a row of the mix): they stop at once, naming the rounds, nothing written."""
+    _run(_cfg(tmp_path / "a", rounds=6))
+    _run(_cfg(tmp_path / "b", rounds=3))
+    before = (tmp_path / "a" / "metrics.jsonl").read_text()
+    results = run_ranks(2, _resume_own, [str(tmp_path / "a"), str(tmp_path / "b")], timeout=60)
+    for status, value in results:
+        assert status == "error" and "rank 1 read a checkpoint of round 3, rank 0 one of " \
+            "round 6" in value, value  # fmt: skip
+    assert (tmp_path / "a" / "metrics.jsonl").read_text() == before
+
+
 @pytest.mark.parametrize("algorithm", ["fedem_em", "vr_fedem"])
 def test_resumed_run_ends_with_the_same_summary(algorithm, tmp_path):
     opts = {"compressor": "dithering", **({"p": 0.7} if algorithm == "fedem_em" else {"k_in": 4})}

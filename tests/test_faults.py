@@ -465,6 +465,19 @@ def _check_configs(base: dict, per_rank: list[list[str]], late: float = 0.0) -> 
     return "same"
 
 
+def test_every_runtime_key_may_or_may_not_differ_between_ranks():
+    """A runtime key added later is put in one list or the other, not allowed to differ by
+    default (tf32 was: products at 1e-3 on one rank, full float32 on another)."""
+    import dataclasses
+
+    from gossip_pfl import checkpoint
+    from gossip_pfl.config import RuntimeConfig
+
+    keys = [f.name for f in dataclasses.fields(RuntimeConfig)]
+    assert sorted(keys) == sorted(checkpoint.RUNTIME_PER_PROCESS + checkpoint.RUNTIME_SHARED)
+    assert not set(checkpoint.RUNTIME_PER_PROCESS) & set(checkpoint.RUNTIME_SHARED)
+
+
 def test_ranks_may_read_from_their_own_places(tmp_path):
     """Node-local caches and data folders, a schedule file named from another folder, and
     call sizes may differ between ranks (they were refused as another config); a rank that
@@ -481,9 +494,9 @@ def test_ranks_may_read_from_their_own_places(tmp_path):
     per_rank[1] += ["runtime.threads=1", "runtime.step_chunk=64"]  # how it runs: its own
     assert run_ranks(2, _check_configs, base, per_rank) == [("ok", "same")] * 2
     # what every rank computes: a bf16 rank trained a mix of two runs, exit 0
-    per_rank[1] += ["rounds=3", "runtime.precision=bf16"]
+    per_rank[1] += ["rounds=3", "runtime.precision=bf16", "runtime.tf32=true"]
     says = ("rank 1 was started with another config than rank 0's (keys differ: rounds, "
-            "runtime.precision)")  # fmt: skip
+            "runtime.precision, runtime.tf32)")  # fmt: skip
     assert [v.split(";")[0] for _, v in run_ranks(2, _check_configs, base, per_rank)] == [says] * 2
 
 

@@ -112,13 +112,15 @@ def fit_mixture_weights(
     Otherwise: Newton steps on the objective plus mu sum_m log pi_m over the simplex (an
     interior-point method, as Koenker and Mizera, "Convex optimization, shape constraints,
     compound decisions, and empirical Bayes rules", 2014, use for the same problem, where EM
-    is slow), each backtracked from 0.99 of the way to the simplex's edge until the barrier
-    objective rises enough (Armijo), mu cut 10x each time a step's Newton decrement is small.
+    is slow), each at most 0.99 of the way to the simplex's edge, halved until the barrier
+    objective rises enough (Armijo: a safeguard; on every case tried the first length rose),
+    mu cut 10x each time a step's Newton decrement is small.
     Plain EM creeps near a weight going to 0: 300 steps left the synthetic study's unseen
     clients' pi up to 0.12 from the optimum; this certifies it within 16 steps there.
 
-    A client stops when log max_m g_m < ``tol``: that bounds how far its objective is below
-    the maximum (at the maximum max_m g_m = 1), whatever the solver. Each client stops on its
+    A client stops when log max_m g_m < ``tol`` (in float64, before pi is cast to the losses'
+    dtype): that bounds how far its objective is below the maximum (at the maximum
+    max_m g_m = 1), whatever the solver. Each client stops on its
     own (its pi does not depend on the clients beside it in the call, a rank's share), or
     after ``steps``; clients without samples keep uniform weights. The host reads whether
     every client stopped every ``CHECK_EVERY`` steps, not every one (on a GPU each read waits

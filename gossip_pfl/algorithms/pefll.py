@@ -554,7 +554,7 @@ class PeFLLRun(RoundLoop):
 
     def restore(self, out: Path) -> tuple[int, list]:
         where = f"--resume {out}"
-        state = checkpoint.load(out)
+        state = self.load_checkpoint(out)
         self.check_config(state, where)  # a changed key, named before the shapes it changes
         self.check_data(state, where)
         checkpoint.check_structure(state, self.n_peers, (), CHECKPOINT_KEYS, where=where)

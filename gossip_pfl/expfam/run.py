@@ -515,7 +515,7 @@ class ExpFamRun(RoundLoop):
         return {"S": self.S, "S_prev": self.S_prev, "V_i": self.V_i, "spider": self.spider}
 
     def restore(self, out: Path) -> tuple[int, list]:
-        state = checkpoint.load(out)
+        state = self.load_checkpoint(out)
         where = f"--resume {out}"
         self.check_config(state, where)
         self.check_resumable(state, where)
