@@ -120,7 +120,7 @@ class RoundLoop:
 
         if not (isinstance(state, dict) and isinstance(state.get("config", {}), dict)):
             return
-        saved, before = state.get("config", {}), self.keys_before()
+        saved, before = state.get("config", {}), {**_shared_runtime_before(), **self.keys_before()}
         diffs = config_differences(saved, to_dict(self.cfg), before)
         if diffs:
             was = ", ".join(f"{k}={saved_value(saved, k, before)}" for k in diffs)
@@ -265,6 +265,20 @@ class RoundLoop:
             )
         signals = rundir.StopSignals.SIGNALS  # SIGTERM wins over SIGINT
         return next((int(s) for s, n in zip(signals[::-1], got[:-1][::-1]) if n), 0)
+
+
+def _shared_runtime_before() -> dict:
+    """The runtime keys a resume may not change (checkpoint.RUNTIME_SHARED, compared since
+    runtime.* was skipped whole), dotted -> default: what a checkpoint without one ran under."""
+    from gossip_pfl.checkpoint import RUNTIME_SHARED
+    from gossip_pfl.config import RuntimeConfig
+
+    runtime = to_dict(RuntimeConfig())
+    flat = {f"runtime.{key}": runtime[key] for key in RUNTIME_SHARED}
+    for key in RUNTIME_SHARED:  # (and each sub-key: faults without a newer one)
+        if isinstance(runtime[key], dict):
+            flat |= {f"runtime.{key}.{k}": v for k, v in runtime[key].items()}
+    return flat
 
 
 def check_same_checkpoint(comm, rounds_done: int, rows: list, where: str) -> None:

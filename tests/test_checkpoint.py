@@ -105,11 +105,23 @@ def test_ranks_that_read_different_checkpoints_stop_before_training(tmp_path):
 
 
 def test_resume_with_other_runtime_settings(tmp_path):
-    """The per-peer loop and small step calls instead of one batched call: same algorithm,
-    so the resumed run ends where the uninterrupted one does (to float rounding)."""
+    """The per-peer loop and small step and evaluation calls instead of one batched call:
+    same algorithm, so the resumed run ends where the uninterrupted one does (to float
+    rounding; eval.chunk, a call size too, was refused). Another precision changes what is
+    computed: refused (bf16 moved the parameters by 6e-4, unsaid)."""
     theta, _ = run_until(cfg_for(tmp_path / "full"), None)
     run_until(cfg_for(tmp_path / "cut"), stop_after=2)
-    resumed = resume(cfg_for(tmp_path / "cut", runtime={"batching": "loop", "step_chunk": 16}))
+    calls = cfg_for(tmp_path / "cut", runtime={"batching": "loop", "step_chunk": 16},
+                    eval={"every": 2, "chunk": 5})  # fmt: skip
+    says = (r"keys differ: runtime.precision, runtime.tf32; the checkpoint's: "
+            r"runtime.precision=float32, runtime.tf32=False\)")  # fmt: skip
+    with pytest.raises(GossipError, match=says):
+        resume(cfg_for(tmp_path / "cut", runtime={"precision": "bf16", "tf32": True}))
+    state = checkpoint.load(tmp_path / "cut")  # made before those keys were compared: it ran
+    for key in ("precision", "tf32", "faults"):  # under their defaults, and resumes
+        del state["config"]["runtime"][key]
+    checkpoint.save(state, tmp_path / "cut")
+    resumed = resume(calls)
     for p, (th, _) in resumed.items():
         np.testing.assert_allclose(th, theta[p], rtol=1e-6, atol=1e-7)
 
