@@ -65,7 +65,9 @@ def classic_loop(trainer: Trainer, t: int) -> None:
                 opt.zero_grad()
                 logits = model(x_all[b])[:, 0]
                 per = F.binary_cross_entropy_with_logits(logits, y_all[b], reduction="none")
-                ((q[m, b] * per).sum() / a.batch_size).backward()
+                # the batch's mean (loss_divisor: batch, the default), or the sum over B
+                div = n if a.loss_divisor == "batch" else a.batch_size
+                ((q[m, b] * per).sum() / div).backward()
                 opt.step()
             with torch.no_grad():
                 trainer.nodes[i, m].copy_(trainer.layout.flatten(model))
