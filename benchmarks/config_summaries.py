@@ -149,9 +149,10 @@ def main() -> int:
         return 2
     width = max(map(len, names))
     failed = []
+    ran = (f"{args.rounds} rounds (evaluated at the last), device cpu, {args.threads} "
+           "thread(s)" if not args.no_run else "the summaries already there")  # fmt: skip
     print(
-        f"# {len(configs)} configs, {args.rounds} rounds (evaluated at the last), device cpu, "
-        f"{args.threads} thread(s); output in {args.out}"
+        f"# {len(configs)} configs, {ran}; output in {args.out}"
         + (f"; reference {args.compare}, tol {args.tol:g}" if args.compare else "")
     )
     header = f"{'config':<{width}}  {'run s':>6}  "

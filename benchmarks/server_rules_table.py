@@ -105,8 +105,13 @@ def main() -> None:
         server = SERVER.get(name, "-") if r0["server_lr"] is None else f"{r0['server_lr']:g}"
         client = "Armijo" if name == "fedli_ls" else f"{r0['client_lr']:g}"
         wall = np.nanmean([r["wall_seconds"] for r in rows])
+        # "untuned": the config's own steps; a --set of a step is a tuning
+        tuned = any(s.split("=")[0] in ("algorithm.lr", "rule.lr") for s in args.set)
+        label = LABELS.get(name, name)
+        if tuned:
+            label = label.replace(" (untuned)", "")
         print(
-            f"| {LABELS.get(name, name)} | {client} | {server} "
+            f"| {label} | {client} | {server} "
             f"| {_pm([r['test_accuracy'] for r in rows], '{:.2f}')} "
             f"| {_pm([r['train_loss'] for r in rows], '{:.4f}')} | {r0['rounds']} | {wall:.0f} |"
         )
