@@ -302,7 +302,8 @@ def main() -> None:
     if any(g not in graph_set for g in args.step_graphs.split(",")):
         ap.error(f"--step-graphs: {args.step_graphs!r}; known: off, on, off,on")
     graphs = [graph_set[g] for g in args.step_graphs.split(",")]
-    if args.device == "cpu":  # CUDA graphs: a CPU run takes plain steps (one row, not two)
+    on_cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+    if on_cpu:  # CUDA graphs: a CPU run takes plain steps (one row, not two)
         graphs = [False]
 
     own = models.CONV_AS_PRODUCTS

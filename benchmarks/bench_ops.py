@@ -282,8 +282,10 @@ def main() -> None:
     records = []
     for name in args.only or list(WORKLOADS):
         config, overrides = WORKLOADS[name]
-        if name == "cnn" and not FASHION_MNIST_ROOT.is_dir():  # (any other error is one)
-            print(f"# {name}: skipped (no Fashion-MNIST files in {FASHION_MNIST_ROOT})")
+        roots = [s.split("=", 1)[1] for s in args.set if s.startswith("data.root=")]
+        root = Path(roots[-1]) if roots else FASHION_MNIST_ROOT
+        if name == "cnn" and not root.is_dir():  # (any other error is one)
+            print(f"# {name}: skipped (no Fashion-MNIST files in {root})")
             continue
         records.append(measure(name, config, overrides + args.set, args.rounds, args.gpu_layout))
     rev = commit()

@@ -231,7 +231,10 @@ def _kept_section(path: Path, start: str, end: str) -> list[str]:
         return []
     stop = next((i for i in range(at + 1, len(old)) if old[i].startswith(end)), len(old))
     note = "(Kept from the file's earlier run: this one skipped it.)"
-    return [old[at], "", note, *(line for line in old[at + 1 : stop] if line != note)]
+    body = [line for line in old[at + 1 : stop] if line != note]
+    while body and not body[0]:  # (one blank line after the note, however often it is kept)
+        body.pop(0)
+    return [old[at], "", note, "", *body]
 
 
 if __name__ == "__main__":

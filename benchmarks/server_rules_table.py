@@ -105,8 +105,10 @@ def main() -> None:
         server = SERVER.get(name, "-") if r0["server_lr"] is None else f"{r0['server_lr']:g}"
         client = "Armijo" if name == "fedli_ls" else f"{r0['client_lr']:g}"
         wall = np.nanmean([r["wall_seconds"] for r in rows])
-        # "untuned": the config's own steps; a --set of a step is a tuning
-        tuned = any(s.split("=")[0] in ("algorithm.lr", "rule.lr") for s in args.set)
+        # "untuned": the config's own steps; a --set of a step is a tuning (FedLi-LS's client
+        # step is its line search's)
+        steps = ("line_search.",) if name == "fedli_ls" else ("algorithm.lr=", "rule.lr=")
+        tuned = any(s.startswith(steps) for s in args.set)
         label = LABELS.get(name, name)
         if tuned:
             label = label.replace(" (untuned)", "")

@@ -113,15 +113,19 @@ class RoundLoop:
             )
 
     def check_config(self, state: object, where: str) -> None:
-        """The checkpoint was made under this config (runtime settings aside): the keys that
-        differ are named, before the shapes they change (a changed data.n_clients) are checked
-        (a state of another form is left to the structure check)."""
+        """The checkpoint was made under this config (how it runs aside, but for the runtime
+        keys that change what is computed: checkpoint.RUNTIME_SHARED): the keys that differ
+        are named, before the shapes they change (a changed data.n_clients) are checked (a
+        state of another form is left to the structure check)."""
         from gossip_pfl.checkpoint import config_differences, saved_value
 
         if not (isinstance(state, dict) and isinstance(state.get("config", {}), dict)):
             return
         saved, before = state.get("config", {}), {**_shared_runtime_before(), **self.keys_before()}
-        diffs = config_differences(saved, to_dict(self.cfg), before)
+        current = to_dict(self.cfg)
+        diffs = config_differences(saved, current, before)  # (runtime skipped)
+        diffs += config_differences(_shared_runtime(saved), _shared_runtime(current), before,
+                                    skip=())  # fmt: skip
         if diffs:
             was = ", ".join(f"{k}={saved_value(saved, k, before)}" for k in diffs)
             raise GossipError(
@@ -142,14 +146,16 @@ class RoundLoop:
 
     def load_checkpoint(self, out: Path) -> dict:
         """RUN_DIR/checkpoint.pt (digest checked), the same on every rank: compared before
-        any rank's own checks of it, so that all of them stop with the same line."""
+        any rank's own checks of it (a rank that cannot read its own tells the others)."""
         from gossip_pfl import checkpoint
 
-        state = checkpoint.load(out)
-        done = state.get("rounds_done") if isinstance(state, dict) else None
-        rows = state.get("rows") if isinstance(state, dict) else None
-        check_same_checkpoint(self.comm, done if isinstance(done, int) else -1, rows,
-                              f"--resume {out}")  # fmt: skip
+        where = f"--resume {out}"
+        try:
+            state = checkpoint.load(out)
+        except GossipError:
+            check_same_checkpoint(self.comm, None, where)
+            raise
+        check_same_checkpoint(self.comm, state, where)
         return state
 
     def data_state(self) -> dict | None:
@@ -267,9 +273,17 @@ class RoundLoop:
         return next((int(s) for s, n in zip(signals[::-1], got[:-1][::-1]) if n), 0)
 
 
+def _shared_runtime(config: dict) -> dict:
+    """The runtime keys of a resolved config that a resume may not change
+    (checkpoint.RUNTIME_SHARED), those it has: {"runtime": {...}}."""
+    from gossip_pfl.checkpoint import RUNTIME_SHARED
+
+    runtime = config.get("runtime") if isinstance(config.get("runtime"), dict) else {}
+    return {"runtime": {k: runtime[k] for k in RUNTIME_SHARED if k in runtime}}
+
+
 def _shared_runtime_before() -> dict:
-    """The runtime keys a resume may not change (checkpoint.RUNTIME_SHARED, compared since
-    runtime.* was skipped whole), dotted -> default: what a checkpoint without one ran under."""
+    """Those keys' defaults (dotted): what a checkpoint without one ran under."""
     from gossip_pfl.checkpoint import RUNTIME_SHARED
     from gossip_pfl.config import RuntimeConfig
 
@@ -281,27 +295,39 @@ def _shared_runtime_before() -> dict:
     return flat
 
 
-def check_same_checkpoint(comm, rounds_done: int, rows: list, where: str) -> None:
-    """Every rank resumed from rank 0's checkpoint (its round ``rounds_done`` and metrics
-    ``rows``). Each reads its own RUN_DIR (a node's stale copy of the folder): ranks at rounds
-    20 and 10 trained together, one aborted inside Gloo, the other saved a mix that a later
-    resume finished with exit 0. One all-reduce of each rank's (round, digest of its rows:
-    another run's differ); processes of a peer-to-peer run each resume their own."""
+def check_same_checkpoint(comm, state: dict | None, where: str) -> None:
+    """Every rank resumed from rank 0's checkpoint (``state``; None: this rank could not read
+    its own, and raises its own error after this). Each reads its own RUN_DIR (a node's stale
+    copy of the folder): ranks at rounds 20 and 10 trained together, one aborted inside Gloo,
+    the other saved a mix that a later resume finished with exit 0. One all-reduce of each
+    rank's (round, digest of its config and metrics rows: another run's differ); processes
+    of a peer-to-peer run each resume their own."""
     if comm.world_size == 1 or not comm.collectives:
         return
     import hashlib
 
-    text = json.dumps(rows, sort_keys=True, default=str).encode()
-    digest = int.from_bytes(hashlib.sha256(text).digest()[:4], "big") >> 1
+    mine = [-2, 0]  # (could not read it)
+    if state is not None:
+        done = state.get("rounds_done") if isinstance(state, dict) else None
+        kept = {k: state.get(k) for k in ("config", "rows")} if isinstance(state, dict) else {}
+        text = json.dumps(kept, sort_keys=True, default=str).encode()
+        digest = int.from_bytes(hashlib.sha256(text).digest()[:4], "big") >> 1
+        mine = [done if isinstance(done, int) and done >= 0 else -1, digest]
     table = torch.zeros(comm.world_size, 2, dtype=torch.int64, device=comm.device)
-    table[comm.rank] = torch.tensor([int(rounds_done), digest])
+    table[comm.rank] = torch.tensor(mine)
     table = comm.all_reduce_sum(table).cpu()
+    if state is None:
+        return
+    unread = [k for k in range(comm.world_size) if table[k, 0] == -2]
+    if unread:
+        raise GossipError(f"{where}: rank {unread[0]} could not read its checkpoint (its own "
+                          "message says why)")  # fmt: skip
     other = next((k for k in range(comm.world_size) if not torch.equal(table[k], table[0])), None)
     if other is None:
         return
-    (mine, _), (first, _) = table[other].tolist(), table[0].tolist()
-    what = (f"a checkpoint of round {mine}, rank 0 one of round {first}" if mine != first
-            else f"another run's checkpoint of round {mine} than rank 0")  # fmt: skip
+    (theirs, _), (first, _) = table[other].tolist(), table[0].tolist()
+    what = (f"a checkpoint of round {theirs}, rank 0 one of round {first}" if theirs != first
+            else f"another run's checkpoint of round {theirs} than rank 0")  # fmt: skip
     raise GossipError(f"{where}: rank {other} read {what}; every rank reads RUN_DIR/"
                       f"{rundir.CHECKPOINT_FILE}: give them all the same folder (a shared file "
                       "system, or copies of rank 0's)")  # fmt: skip

@@ -1183,8 +1183,8 @@ class Trainer(RoundLoop):
             personal = {k: v.clone() for k, v in personal.items()}
             plain = LocalSGD(self.cfg.algorithm.lr)
             kept = self.last_loss.clone()  # (FedLi's losses for the rule are the round's)
-            saved = (self.solver, self.client, self.line_search, self.lr_scale, self.unit_scale,
-                     self.__dict__.get("_lr_scale_np"))  # fmt: skip
+            saved = (self.solver, self.client, self.line_search, self.lr_scale, self.unit_scale)
+            host = self.__dict__.get("_lr_scale_np")
             try:
                 self.solver, self.client, self.line_search = plain, None, False
                 # at lr itself, as an unseen client's: gossip's client weighting scales a
@@ -1196,12 +1196,11 @@ class Trainer(RoundLoop):
                     personal=personal, stream=1,
                 )  # fmt: skip
             finally:
-                self.solver, self.client, self.line_search, self.lr_scale, self.unit_scale = saved[
-                    :5
-                ]
+                (self.solver, self.client, self.line_search, self.lr_scale,
+                 self.unit_scale) = saved  # fmt: skip
                 self.__dict__.pop("_lr_scale_np", None)
-                if saved[5] is not None:  # (no read back from a GPU)
-                    self._lr_scale_np = saved[5]
+                if host is not None:  # (no read back from a GPU)
+                    self._lr_scale_np = host
                 self.last_loss.copy_(kept)
         theta = self.surrogate.eval_state(theta, personal)
         nll, acc = self.scores(split, theta, personal)

@@ -338,15 +338,18 @@ def test_fedavg_plus_scores_seen_clients_after_one_plain_sgd_epoch_on_a_copy(nam
     assert torch.equal(tr.opt_state.momentum, before[2])
 
 
-@pytest.mark.parametrize("kernels", [True, False])
-def test_a_fine_tuned_evaluation_leaves_the_training_as_it_was(kernels, tmp_path):
+@pytest.mark.parametrize("kernels, model", [(True, "linear"), (False, "linear"), (True, "mlp")])
+def test_a_fine_tuned_evaluation_leaves_the_training_as_it_was(kernels, model, tmp_path):
     """Decentralized SGD on a ring (steps scaled by T n_i / n) with a fine-tune before each
     evaluation: evaluated every round or only at the end, the models are the same to the bit
-    (a fine-tune that left the step scale at 1 moved them by 0.37 in 4 rounds)."""
+    (a fine-tune that left the step scale at 1 moved them by 0.37 in 4 rounds). The linear
+    model's CPU steps read the scale's host copy, the others the tensor: both are checked."""
     data = toy_dataset(4, dim=3, sizes=SIZES)
     models = []
     for every in (1, 4):
-        over = {"schedule": {"graph": "ring"}, "eval": {"every": every, "finetune_epochs": 1}}
+        spec = {"name": model, **({"hidden": [4]} if model == "mlp" else {})}
+        over = {"schedule": {"graph": "ring"}, "eval": {"every": every, "finetune_epochs": 1},
+                "model": spec}  # fmt: skip
         cfg = cfg_for(tmp_path / str(every), "dsgd", 4, algo={"batch_size": 8},
                       runtime={"cpu_kernels": kernels}, **over)  # fmt: skip
         tr = Trainer(cfg, dataset=data, log=quiet)

@@ -88,19 +88,29 @@ def _resume_own(cfgs):
 def test_ranks_that_read_different_checkpoints_stop_before_training(tmp_path):
     """Each rank reads its own RUN_DIR: ranks at rounds 4 and 2 trained together (one
     aborted inside Gloo, the other saved a mix a later resume finished, exit 0); same round,
-    another run's (lr 0.3) is named too. Nothing is written."""
+    another run's (lr 0.3; and one of no metrics rows yet) is named too. A rank without a
+    checkpoint says so, the other names it (it said a peer probably died). Nothing is
+    written."""
     run_until(cfg_for(tmp_path / "a"), stop_after=4)
     run_until(cfg_for(tmp_path / "b"), stop_after=2)
-    run_until(cfg_for(tmp_path / "c", algorithm={"name": "dfedem", "components": 2, "lr": 0.3,
-                                                  "momentum": 0.5, "batch_size": 16}),
-              stop_after=4)  # fmt: skip
+    lr = {"name": "dfedem", "components": 2, "lr": 0.3, "momentum": 0.5, "batch_size": 16}
+    run_until(cfg_for(tmp_path / "c", algorithm=lr), stop_after=4)
+    run_until(cfg_for(tmp_path / "d", eval={"every": 6}), stop_after=2)  # (no rows yet)
+    run_until(cfg_for(tmp_path / "e", eval={"every": 6}, algorithm=lr), stop_after=2)
+    (tmp_path / "f").mkdir()  # no checkpoint
     before = (tmp_path / "a" / "metrics.jsonl").read_text()
-    cases = {"b": "rank 1 read a checkpoint of round 2, rank 0 one of round 4",
-             "c": "rank 1 read another run's checkpoint of round 4 than rank 0"}  # fmt: skip
-    for other, says in cases.items():
-        results = run_ranks(2, _resume_own, [cfg_for(tmp_path / "a"), cfg_for(tmp_path / other)])
-        for status, value in results:
-            assert status == "error" and says in value and "same folder" in value, value
+    other_run = "rank 1 read another run's checkpoint of round {} than rank 0"
+    cases = {
+        ("a", "b"): ["rank 1 read a checkpoint of round 2, rank 0 one of round 4", "same folder"],
+        ("a", "c"): [other_run.format(4), "same folder"],
+        ("d", "e"): [other_run.format(2), "same folder"],
+        ("a", "f"): ["rank 1 could not read its checkpoint", "its own message says why"],
+    }
+    for (mine, other), says in cases.items():
+        results = run_ranks(2, _resume_own, [cfg_for(tmp_path / mine), cfg_for(tmp_path / other)])
+        for rank, (status, value) in enumerate(results):
+            words = ["f: no checkpoint.pt there"] if (other, rank) == ("f", 1) else says
+            assert status == "error" and all(w in value for w in words), value
     assert (tmp_path / "a" / "metrics.jsonl").read_text() == before
 
 
@@ -120,6 +130,7 @@ def test_resume_with_other_runtime_settings(tmp_path):
     state = checkpoint.load(tmp_path / "cut")  # made before those keys were compared: it ran
     for key in ("precision", "tf32", "faults"):  # under their defaults, and resumes
         del state["config"]["runtime"][key]
+    state["config"]["runtime"]["overlap"] = True  # a runtime key since removed: how it ran
     checkpoint.save(state, tmp_path / "cut")
     resumed = resume(calls)
     for p, (th, _) in resumed.items():
