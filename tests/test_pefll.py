@@ -229,6 +229,28 @@ def test_one_process_and_two_ranks_agree(tmp_path):
     assert two["model_bytes"] == one["model_bytes"]
 
 
+def _resume_own(dirs: list) -> None:
+    """Rank r resumes from its own folder dirs[r] (a node's copy of the run folder)."""
+    import os
+
+    from gossip_pfl.runtime.comm import init_comm
+
+    cfg = config(dirs[int(os.environ["RANK"])], rounds=4, eval={"every": 2})
+    run(cfg, images(), comm=init_comm("cpu", "gloo", 30.0), log=quiet, resume=True)
+
+
+def test_ranks_that_read_different_checkpoints_stop_before_training(tmp_path):
+    """PeFLL's ranks at rounds 2 and 1 stop at once, naming the rounds; nothing written."""
+    run(config(tmp_path / "a", rounds=2, eval={"every": 2}), images(), log=quiet)
+    run(config(tmp_path / "b", rounds=1, eval={"every": 1}), images(), log=quiet)
+    before = (tmp_path / "a" / "metrics.jsonl").read_text()
+    results = run_ranks(2, _resume_own, [str(tmp_path / "a"), str(tmp_path / "b")], timeout=60)
+    for status, value in results:
+        assert status == "error" and "rank 1 read a checkpoint of round 1, rank 0 one of " \
+            "round 2" in value, value  # fmt: skip
+    assert (tmp_path / "a" / "metrics.jsonl").read_text() == before
+
+
 # ---- bad input: one line naming the key, exit 2 ---------------------------------------------
 FMNIST = """algorithm: {name: pefll}
 model: {name: lenet}
