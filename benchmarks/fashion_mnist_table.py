@@ -69,7 +69,7 @@ def main() -> None:
             mean, p10 = 100 * s["test_accuracy"], 100 * s["test_accuracy_p10"]
             results[name].append((mean, p10, s["rounds"], s["wall_seconds"]))
             print(
-                f"{name:<8} seed {cfg.seed}  test acc. {mean:5.1f} / {p10:5.1f} %  "
+                f"{name:<14} seed {cfg.seed}  test acc. {mean:5.1f} / {p10:5.1f} %  "
                 f"{s['rounds']} rounds  {s['wall_seconds']:7.1f} s",
                 flush=True,
             )

@@ -109,6 +109,9 @@ def main() -> None:
              "seeds", "",
              "| method | seen test acc. | unseen test acc. | bytes per round | s per run |",
              "|---|---|---|---|---|"]  # fmt: skip
+    # --cached: the descriptor analysis of the run that wrote the folder's results.json
+    earlier = out / "results.json"
+    previous = json.loads(earlier.read_text()) if args.cached and earlier.is_file() else {}
     results = {}
     for method in (m for m in METHODS if m in only):
         if args.cached:
@@ -130,8 +133,14 @@ def main() -> None:
         n = f" ({len(res)} seed{'s' * (len(res) > 1)})" if len(res) < len(seeds) else ""
         lines.append(f"| {LABELS[method]}{n} | {cell('test')} | {cell('unseen')} | "
                      f"{mb:.1f} MiB | {secs:.0f} |")  # fmt: skip
-    if "descriptors" in only and not args.cached:
+    if not results:  # (descriptors only: no method table)
+        lines = []
+    d = None
+    if "descriptors" in only and args.cached:
+        d = previous.get("descriptors")
+    elif "descriptors" in only:
         d = descriptor_analysis(args.rounds, seeds[0], out)
+    if d:
         results["descriptors"] = d
         print("descriptors", json.dumps(d), flush=True)
         lines += ["", f"Descriptor analysis (Dirichlet(0.1), {d['clients']} clients, seed "
