@@ -183,6 +183,18 @@ def load(path: str) -> MixingSchedule:
         raise TopologyError(f"{path}: {one_line(err)}") from None
 
 
+def _spec_n(path: str) -> int | None:
+    """The ``n`` a spec file gives, read without building its graph (None: not a spec file,
+    or none given: load says what is wrong)."""
+    if Path(path).suffix.lower() not in SPEC_SUFFIXES or not Path(path).is_file():
+        return None
+    try:
+        n = yaml.safe_load(Path(path).read_text()).get("n")
+    except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
+        return None
+    return n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
 def _load_for_analysis(path: str) -> MixingSchedule:
     """:func:`load` for the dense analyses: a spec file that gives ``n`` is checked against
     this machine's memory before its graph is built (n = 300,000 took a second to build for
@@ -449,6 +461,8 @@ def _fmt(value: Any) -> str:
 def cmd_export(args: argparse.Namespace) -> int:
     from topologies.spec import save_npz
 
+    if isinstance(n := _spec_n(args.spec), int):  # before its graph is built (a hang)
+        _check_export(args.spec, args.rounds, n)
     schedule = load(args.spec)
     _check_export(args.spec, args.rounds, schedule.n)
     out = Path(args.output)

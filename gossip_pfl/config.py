@@ -285,10 +285,10 @@ def _check_type(value: Any, hint: Any, path: str) -> Any:
         (item,) = typing.get_args(hint)
         return [_check_type(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
     if expected is float and isinstance(value, str):
         try:
-            return float(value)  # YAML reads 1e-3 as a string
+            value = float(value)  # YAML reads 1e-3 as a string
         except ValueError:
             pass
     if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
@@ -296,6 +296,11 @@ def _check_type(value: Any, hint: Any, path: str) -> Any:
             f"config key '{path}' must be {expected.__name__}, got {type(value).__name__} "
             f"({value!r})"
         )
+    # past these, numpy, numba or torch failed deep inside (a traceback), not here
+    big = 2**63 - 1 if path.endswith("seed") else 2**31 - 1
+    if expected is int and abs(value) > big:
+        raise GossipError(f"config key '{path}' is {value}, beyond {big:,} (the largest this "
+                          "key takes)")  # fmt: skip
     return value
 
 
@@ -599,7 +604,8 @@ def validate(cfg: RunConfig, unread: bool = True) -> None:
         (0 <= r.momentum < 1, "rule.momentum", "must be in [0, 1)"),
         (0 <= r.beta1 < 1, "rule.beta1", "must be in [0, 1)"),
         (0 <= r.beta2 < 1, "rule.beta2", "must be in [0, 1)"),
-        (r.tau > 0, "rule.tau", "must be > 0"),
+        (r.tau > 0 and math.isfinite(r.tau * r.tau), "rule.tau",
+         "must be > 0, its square finite (v starts at tau^2)"),
         (r.eps > 0, "rule.eps", "must be > 0"),
         (r.lam >= 0, "rule.lam", "must be >= 0"),
         (r.eta > 0, "rule.eta", "must be > 0"),
@@ -654,9 +660,12 @@ def _transport_checks(rt: RuntimeConfig, rounds: int) -> list[tuple[bool, str, s
          "must be > 0 (unset: timeout_s)"),
         (0 <= f.drop < 1, "runtime.faults.drop", "must be in [0, 1)"),
         (0 <= f.ack_drop < 1, "runtime.faults.ack_drop", "must be in [0, 1)"),
+        (f.seed is None or f.seed >= 0, "runtime.faults.seed", "must be an int >= 0 (unset: the "
+         "run's seed)"),
         (all(_is_kill(k) for k in f.kill), "runtime.faults.kill",
          "must be a list of {id: K >= 0, round: R >= 1, restart: R2 > R (optional)}"),
-        (rt.transport == "zmq" or not (f.drop or f.ack_drop or f.kill), "runtime.faults",
+        (rt.transport == "zmq" or (not (f.drop or f.ack_drop or f.kill) and f.seed is None),
+         "runtime.faults",
          "needs runtime.transport zmq (torch.distributed stops at a lost link)"),
         # the restart would wait for a round the others never reach
         (all(k.get("restart", 0) < rounds for k in kills), "runtime.faults.kill",

@@ -28,6 +28,27 @@ def _one_line_error(capsys, argv: list[str], pattern: str) -> None:
     assert re.search(pattern, err), err
 
 
+@pytest.mark.parametrize(
+    ("sets", "pattern"),
+    [  # each was a traceback deep in numpy, numba or torch (exit 1), or a crash of every peer
+        (
+            ["algorithm.batch_size=99999999999999999999"],
+            r"'algorithm.batch_size' is 9+, beyond "
+            r"2,147,483,647",
+        ),
+        (["algorithm.local_steps=99999999999999999999"], r"'algorithm.local_steps' is 9+"),
+        (["seed=99999999999999999999"], r"'seed' is 9+, beyond 9,223,372,036,854,775,807"),
+        (["rule.name=fedadagrad", "rule.tau=1e308"], r"rule.tau.*its square finite"),
+        (["data.alpha=1e308"], r"synthetic: alpha must be a number > 0 \(times n_components"),
+        (["runtime.faults.seed=-1", "runtime.transport=zmq"], r"runtime.faults.seed.*>= 0"),
+        (["runtime.faults.seed=3"], r"runtime.faults.*needs runtime.transport zmq"),
+    ],
+)
+def test_values_past_what_a_run_takes_are_named(tmp_path, capsys, sets, pattern):
+    argv = ["run", str(ROOT / "configs/synthetic/dfedem.yaml"), *SMALL, "--out", str(tmp_path)]
+    _one_line_error(capsys, argv + [x for s in sets for x in ("--set", s)], pattern)
+
+
 def _files(tmp_path: Path) -> dict[str, Path]:
     good = tmp_path / "good.npz"
     np.savez(good, W=np.full((1, 4, 4), 0.25))

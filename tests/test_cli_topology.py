@@ -314,6 +314,16 @@ def test_an_n_too_large_for_dense_matrices_is_refused_before_numpy_tries(tmp_pat
         assert len(err) == 1 and "n = 300,000: the analysis holds three dense n x n" in err[0], err
 
 
+def test_export_of_a_graph_too_large_is_refused_before_it_is_built(tmp_path, capsys):
+    """A complete graph of 300,000 nodes: describe refused it at once, export built it for
+    minutes (a fuzz run's timeout)."""
+    spec = tmp_path / "huge.yaml"
+    spec.write_text("n: 300000\ngraph: complete\n")
+    argv = ["topology", "export", str(spec), "--rounds", "2", "-o", str(tmp_path / "w.npz")]
+    assert main(argv) == 2
+    assert "--rounds 2 x n^2 = 300,000^2 x 8 bytes" in one_error_line(capsys)
+
+
 @pytest.mark.parametrize("graph", ["complete", "erdos_renyi"])
 def test_a_dense_graph_too_large_to_build_is_refused_before_networkx_tries(
     graph, tmp_path, capsys, monkeypatch

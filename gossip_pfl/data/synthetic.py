@@ -142,8 +142,10 @@ def _validate(a: dict) -> None:
         raise GossipError(f"synthetic: n_test must be >= 0, got {a['n_test']}")
     if not 0 <= a["seed"] < 2**63:  # NumPy's seeds are non-negative
         raise GossipError(f"synthetic: seed must be in [0, 2**63), got {a['seed']}")
-    if not 0 < a["alpha"] < math.inf:  # (NaN fails both ways)
-        raise GossipError(f"synthetic: alpha must be a number > 0, got {a['alpha']}")
+    # (NaN fails both ways; the Dirichlet draw sums n_components of them: 1e308 overflowed)
+    if not 0 < a["alpha"] * a["n_components"] < math.inf:
+        raise GossipError(f"synthetic: alpha must be a number > 0 (times n_components "
+                          f"finite), got {a['alpha']}")  # fmt: skip
     if not 0 <= a["noise_std"] < math.inf:
         raise GossipError(f"synthetic: noise_std must be a number >= 0, got {a['noise_std']}")
     check_fraction("synthetic: val_fraction", a["val_fraction"])
