@@ -183,34 +183,31 @@ def load(path: str) -> MixingSchedule:
         raise TopologyError(f"{path}: {one_line(err)}") from None
 
 
-def _spec_n(path: str) -> int | None:
-    """The ``n`` a spec file gives, read without building its graph (None: not a spec file,
-    or none given: load says what is wrong)."""
+def _peek_spec(path: str) -> tuple[int | None, dict]:
+    """(the ``n``, the mapping) of a spec file, read without building its graph ((None, {}):
+    not a readable spec file, or no int ``n``: load says what is wrong)."""
     if Path(path).suffix.lower() not in SPEC_SUFFIXES or not Path(path).is_file():
-        return None
+        return None, {}
     try:
-        n = yaml.safe_load(Path(path).read_text()).get("n")
+        spec = yaml.safe_load(Path(path).read_text())
+        n = spec.get("n")
     except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
-        return None
-    return n if isinstance(n, int) and not isinstance(n, bool) else None
+        return None, {}
+    return (n if isinstance(n, int) and not isinstance(n, bool) else None), spec
 
 
 def _load_for_analysis(path: str) -> MixingSchedule:
     """:func:`load` for the dense analyses: a spec file that gives ``n`` is checked against
     this machine's memory before its graph is built (n = 300,000 took a second to build for
     nothing); every schedule once loaded."""
-    if Path(path).suffix.lower() in SPEC_SUFFIXES and Path(path).is_file():
-        try:
-            spec = yaml.safe_load(Path(path).read_text())
-            n, family = spec.get("n"), spec.get("graph")
-            p = (spec.get("graph_args") or {}).get("p", 1) if family == "erdos_renyi" else 1
-        except (OSError, UnicodeDecodeError, yaml.YAMLError, AttributeError):
-            n = None  # (load reports what is wrong with the file)
-        if isinstance(n, int) and not isinstance(n, bool):
-            # (a p that load refuses, NaN or 40, is left to say so: no estimate from it)
-            real = isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1
-            dense = family in ("complete", "erdos_renyi") and real
-            _check_dense(path, n, round(p * n * (n - 1) / 2) if dense else 0, family)
+    n, spec = _peek_spec(path)
+    family, args = spec.get("graph"), spec.get("graph_args") or {}
+    if n is not None and (family != "erdos_renyi" or isinstance(args, dict)):
+        p = args.get("p", 1) if family == "erdos_renyi" else 1
+        # (a p that load refuses, NaN or 40, is left to say so: no estimate from it)
+        real = isinstance(p, (int, float)) and not isinstance(p, bool) and 0 < p <= 1
+        dense = family in ("complete", "erdos_renyi") and real
+        _check_dense(path, n, round(p * n * (n - 1) / 2) if dense else 0, family)
     schedule = load(path)
     _check_dense(path, schedule.n)
     return schedule
@@ -461,7 +458,7 @@ def _fmt(value: Any) -> str:
 def cmd_export(args: argparse.Namespace) -> int:
     from topologies.spec import save_npz
 
-    if isinstance(n := _spec_n(args.spec), int):  # before its graph is built (a hang)
+    if (n := _peek_spec(args.spec)[0]) is not None:  # before its graph is built (a hang)
         _check_export(args.spec, args.rounds, n)
     schedule = load(args.spec)
     _check_export(args.spec, args.rounds, schedule.n)

@@ -295,6 +295,25 @@ def _shared_runtime_before() -> dict:
     return flat
 
 
+def digest31(obj) -> int:
+    """A positive 31-bit digest of a JSON-able object (keys sorted, anything else by str):
+    it fits an int64 all-reduce and a zmq header."""
+    import hashlib
+
+    text = json.dumps(obj, sort_keys=True, default=str).encode()
+    return int.from_bytes(hashlib.sha256(text).digest()[:4], "big") >> 1 | 1
+
+
+def rows_unlike_rank0(comm, row: list[int]) -> tuple[torch.Tensor, int | None]:
+    """Every rank's ``row`` of ints, (world, len(row)) on every rank (one all-reduce), and the
+    first rank whose row differs from rank 0's (None: all alike)."""
+    table = torch.zeros(comm.world_size, len(row), dtype=torch.int64, device=comm.device)
+    table[comm.rank] = torch.tensor(row)
+    table = comm.all_reduce_sum(table).cpu()
+    other = next((k for k in range(comm.world_size) if not torch.equal(table[k], table[0])), None)
+    return table, other
+
+
 def check_same_checkpoint(comm, state: dict | None, where: str) -> None:
     """Every rank resumed from rank 0's checkpoint (``state``; None: this rank could not read
     its own, and raises its own error after this). Each reads its own RUN_DIR (a node's stale
@@ -304,25 +323,18 @@ def check_same_checkpoint(comm, state: dict | None, where: str) -> None:
     of a peer-to-peer run each resume their own."""
     if comm.world_size == 1 or not comm.collectives:
         return
-    import hashlib
-
     mine = [-2, 0]  # (could not read it)
     if state is not None:
         done = state.get("rounds_done") if isinstance(state, dict) else None
         kept = {k: state.get(k) for k in ("config", "rows")} if isinstance(state, dict) else {}
-        text = json.dumps(kept, sort_keys=True, default=str).encode()
-        digest = int.from_bytes(hashlib.sha256(text).digest()[:4], "big") >> 1
-        mine = [done if isinstance(done, int) and done >= 0 else -1, digest]
-    table = torch.zeros(comm.world_size, 2, dtype=torch.int64, device=comm.device)
-    table[comm.rank] = torch.tensor(mine)
-    table = comm.all_reduce_sum(table).cpu()
+        mine = [done if isinstance(done, int) and done >= 0 else -1, digest31(kept)]
+    table, other = rows_unlike_rank0(comm, mine)
     if state is None:
         return
     unread = [k for k in range(comm.world_size) if table[k, 0] == -2]
     if unread:
         raise GossipError(f"{where}: rank {unread[0]} could not read its checkpoint (its own "
                           "message says why)")  # fmt: skip
-    other = next((k for k in range(comm.world_size) if not torch.equal(table[k], table[0])), None)
     if other is None:
         return
     (theirs, _), (first, _) = table[other].tolist(), table[0].tolist()

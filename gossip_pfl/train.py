@@ -36,7 +36,7 @@ from gossip_pfl.algorithms.mixture import MixtureSurrogate, fit_mixture_weights
 from gossip_pfl.algorithms.rules import Average, Inbox, build_rule, check_rule, gossip_rules
 from gossip_pfl.config import RuleConfig, RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
-from gossip_pfl.loop import RoundLoop
+from gossip_pfl.loop import RoundLoop, digest31, rows_unlike_rank0
 from gossip_pfl.metrics import recovery_entry, score_entries, unseen_entries
 from gossip_pfl.models import build_model, check_model_reads
 from gossip_pfl.runtime.comm import (
@@ -1543,10 +1543,7 @@ def check_same_config(comm, cfg: RunConfig) -> None:
 
     skip = checkpoint.PER_PROCESS
     digest, kept = config_digest(cfg, skip)
-    digests = torch.zeros(comm.world_size, dtype=torch.int64, device=comm.device)
-    digests[comm.rank] = digest
-    digests = comm.all_reduce_sum(digests).cpu()
-    other = next((k for k in range(comm.world_size) if digests[k] != digests[0]), None)
+    _, other = rows_unlike_rank0(comm, [digest])
     if other is None:
         return
     keys = "?"
@@ -1563,16 +1560,12 @@ def config_digest(cfg: RunConfig, skip: tuple[str, ...]) -> tuple[int, dict]:
     """(a positive 31-bit digest of the config without the dotted keys in ``skip``, that
     config); a schedule file counts by its content (each rank or process may spell its path
     from another folder; a missing one is said where the schedule is built)."""
-    import hashlib
-    import json
-
     mine = to_dict(cfg)
     sched = mine.get("schedule")
     if isinstance(sched, str) and Path(sched).is_file():
         mine["schedule"] = read_yaml(sched)
     kept = _without(mine, skip)
-    text = json.dumps(kept, sort_keys=True, default=str).encode()
-    return int.from_bytes(hashlib.sha256(text).digest()[:4], "big") >> 1 | 1, kept
+    return digest31(kept), kept
 
 
 def _without(config: dict, skip: tuple[str, ...], prefix: str = "") -> dict:

@@ -132,6 +132,15 @@ class Stopped(Exception):
     """Raised by :func:`stop_after_checkpoint`'s run: it ended as a killed job would."""
 
 
+def check_ranks_refuse_other_checkpoints(resume, mine: Path, other: Path, says: str) -> None:
+    """Two ranks run ``resume(folders)``, rank r from folder r (a node's copy of the run
+    folder each): both stop with ``says``, and ``mine``'s metrics are left as they were."""
+    before = (mine / "metrics.jsonl").read_text()
+    for status, value in run_ranks(2, resume, [str(mine), str(other)], timeout=60):
+        assert status == "error" and says in value, value
+    assert (mine / "metrics.jsonl").read_text() == before
+
+
 def stop_after_checkpoint(trainer, rounds_done: int) -> None:
     """Run ``trainer`` and stop it right after its checkpoint of round ``rounds_done``, like a
     job killed then: nothing after that checkpoint is written."""

@@ -132,10 +132,14 @@ def fit_mixture_weights(
     n_clients, m = lik.shape[:2]
     pi = torch.full((n_clients, m), 1.0 / m, dtype=torch.float64, device=lik.device)
     has = mask.sum(-1, keepdim=True) > 0
-    if steps == 1:
+
+    def gradient(pi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(each sample's mixture likelihood (L, N), the objective's gradient g (L, M))."""
         denom = torch.einsum("lmn,lm->ln", lik, pi).clamp_min(1e-300)
-        new = pi * torch.einsum("lmn,ln->lm", lik, weight / denom)
-        return torch.where(has, new, pi).to(losses.dtype)
+        return denom, torch.einsum("lmn,ln->lm", lik, weight / denom)
+
+    if steps == 1:
+        return torch.where(has, pi * gradient(pi)[1], pi).to(losses.dtype)
     mu = torch.full((n_clients, 1), 0.1, dtype=torch.float64, device=lik.device)
     shrink = 0.5 ** torch.arange(BACKTRACKS, dtype=torch.float64, device=lik.device)
     rows = torch.arange(n_clients, device=lik.device)
@@ -147,8 +151,7 @@ def fit_mixture_weights(
 
     stopped = ~has
     for k in range(steps):
-        denom = torch.einsum("lmn,lm->ln", lik, pi).clamp_min(1e-300)
-        g = torch.einsum("lmn,ln->lm", lik, weight / denom)
+        denom, g = gradient(pi)
         stopped = stopped | (torch.log(g.amax(-1, keepdim=True)) < tol)
         grad = g + mu / pi
         curv = torch.bmm(lik * (weight / denom**2)[:, None], lik.transpose(1, 2))
@@ -161,7 +164,9 @@ def fit_mixture_weights(
         room = torch.where(step < 0, 0.99 * pi / (-step).clamp_min(1e-300), 1.0)
         t = room.amin(-1, keepdim=True).clamp_max(1.0) * shrink  # (L, K) trial lengths
         trials = pi[:, None] + t[..., None] * step[:, None]  # (L, K, M)
-        rises = barrier(trials) >= barrier(pi[:, None]) + 0.25 * t * decrement
+        at_pi = (weight * torch.log(denom)).sum(-1, keepdim=True)  # (barrier(pi), from denom)
+        now = at_pi + mu * torch.log(pi).sum(-1, keepdim=True)
+        rises = barrier(trials) >= now + 0.25 * t * decrement
         first = torch.where(rises.any(-1), rises.int().argmax(-1), BACKTRACKS - 1)
         new = trials[rows, first]
         new = new / new.sum(-1, keepdim=True)
