@@ -7,8 +7,10 @@
 There is no process group and no all-reduce: process K holds a block of peers (as rank K does
 under torchrun) and writes RUN_DIR/peers/K/ on its own: config.yaml, metrics.jsonl (its peers'
 values, one list entry per peer), links.jsonl (every exchange: the links, those lost, and how
-the mix changed the sum of the rows on a seeded sample of coordinates), checkpoint.pt and
-summary.json. ``merge`` turns them into the usual RUN_DIR/metrics.jsonl and summary.json.
+the mix changed the sum of the rows on a seeded sample of coordinates), checkpoint.pt,
+kept/R.pt (its last checkpoints at multiples of checkpoint_every: processes stopped at
+different rounds resume at the latest round all hold) and summary.json. ``merge`` turns them
+into the usual RUN_DIR/metrics.jsonl and summary.json.
 """
 
 from __future__ import annotations
@@ -509,8 +511,8 @@ def _merge_round(rnd: int, by_process: dict[int, dict]) -> dict:
 
 def _rejoins(folders: list[Path]) -> dict[str, list[list[int]]]:
     """Each process's resumes at a later round than its checkpoint's, [checkpoint, start]:
-    its peers did not train the rounds between (processes stopped at different rounds and
-    resumed together start at the latest; each keeps only its last checkpoint)."""
+    its peers did not train the rounds between (a restart into a running run, or processes
+    resumed together that held no round in common)."""
     out = {}
     for f in folders:
         rows = read_rows(f / REJOINS)

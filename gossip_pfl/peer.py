@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import sys
 from functools import partial
 from pathlib import Path
@@ -20,6 +21,9 @@ from gossip_pfl.train import Trainer, config_digest
 
 #: coordinates of the mixed rows sampled to measure the drift of the average (all if fewer)
 PROBES = 64
+#: how many checkpoints at multiples of ``checkpoint_every`` a process keeps (RUN_DIR/kept/):
+#: processes stopped up to that many multiples apart resume together at a common round
+KEEP = 2
 
 
 class PeerTrainer(Trainer):
@@ -51,9 +55,25 @@ class PeerTrainer(Trainer):
             if self.links is not None:
                 self.links.close()
 
+    def checkpoint(self, out: Path, rounds_done: int, rows: list) -> None:
+        """RUN_DIR/checkpoint.pt, and at multiples of ``checkpoint_every`` a link to it in
+        RUN_DIR/kept/ (the last KEEP of them; a hard link costs no space while it is the
+        latest): what lets processes stopped at different rounds resume at a common one."""
+        super().checkpoint(out, rounds_done, rows)
+        every = self.cfg.checkpoint_every
+        if not every or rounds_done % every:
+            return
+        kept = Path(out) / rundir.KEPT
+        rundir.write(kept, lambda p: p.mkdir(exist_ok=True))
+        rundir.write(kept / f"{rounds_done}.pt", partial(_link, Path(out) / checkpoint.FILE))
+        for r in _kept_rounds(out)[:-KEEP]:
+            rundir.write(kept / f"{r}.pt", lambda p: p.unlink(missing_ok=True))
+
     def restore(self, out: Path) -> tuple[int, list]:
-        """The process's own latest checkpoint (none: its initial state), then the round the
-        running peers are at."""
+        """The process's own latest checkpoint (none: its initial state), then the round to
+        go on at: the latest that every process resuming with it holds (an older checkpoint
+        of its own, if they stopped at different rounds), or the round the running peers are
+        at (a restart into a running run; the rounds between are skipped)."""
         first, rows = 0, []
         if (Path(out) / checkpoint.FILE).is_file():
             first, rows = super().restore(out)
@@ -63,12 +83,32 @@ class PeerTrainer(Trainer):
         self.links = open(Path(out) / "links.jsonl", "a", buffering=1)  # noqa: SIM115
         if first == self.cfg.rounds:  # finished, stopped before its summary: nobody to join
             return first, rows
-        start = self.comm.join(first, need_all=False, wait_round=self.wait_round)
+        holds = [r for r in _kept_rounds(out) if r < first] + [first]
+        start = self.comm.join(first, need_all=False, wait_round=self.wait_round, holds=holds)
+        if start < first:  # the others stopped earlier: go back to where they all can go on
+            self.log(f"process {self.comm.rank}: resumes at round {start}, the latest round "
+                     f"every process holds (its own checkpoint: {first})")  # fmt: skip
+            return self._roll_back(Path(out), start)
         if start > first:  # its peers skip the rounds between: merge says so
             self.log(f"process {self.comm.rank}: rejoins at round {start} (checkpoint: {first})")
             entry = {"checkpoint": first, "start": start}
             rundir.write(Path(out) / rundir.REJOINS, partial(rundir.append_row, row=entry))
         return start, rows
+
+    def _roll_back(self, out: Path, start: int) -> tuple[int, list]:
+        """Make the kept checkpoint of round ``start`` the process's checkpoint, forget the
+        later ones (a later resume must not name rounds this run no longer went through),
+        and load it."""
+        kept = out / rundir.KEPT
+        rundir.write(out / checkpoint.FILE, partial(_link, kept / f"{start}.pt"))
+        for r in _kept_rounds(out):
+            if r > start:
+                rundir.write(kept / f"{r}.pt", lambda p: p.unlink(missing_ok=True))
+        rejoins = rundir.read_rows(out / rundir.REJOINS)  # (of rounds now trained again)
+        if any(e.get("start", 0) > start for e in rejoins):
+            kept_rows = [e for e in rejoins if e.get("start", 0) <= start]
+            rundir.rewrite_rows(out / rundir.REJOINS, kept_rows)
+        return super().restore(out)
 
     def sample(self, t: int) -> np.ndarray:
         for kill in self.cfg.runtime.faults.kill:
@@ -121,3 +161,22 @@ class PeerTrainer(Trainer):
                 "peers": last["peers"], "rounds": self.cfg.rounds, "round": last["round"],
                 "test_accuracy": last["test_accuracy"], "wall_seconds": wall,
                 "links": dict(self.comm.stats)}  # fmt: skip
+
+
+def _kept_rounds(out: Path) -> list[int]:
+    """The rounds of RUN_DIR/kept/ROUND.pt, ascending."""
+    kept = Path(out) / rundir.KEPT
+    names = (p.stem for p in kept.glob("*.pt")) if kept.is_dir() else ()
+    return sorted(int(n) for n in names if n.isdigit())
+
+
+def _link(source: Path, path: Path) -> None:
+    """``path`` made, at once, the same file as ``source`` (a hard link; a copy where the file
+    system has none)."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, path)

@@ -16,6 +16,9 @@ from gossip_pfl.errors import GossipError
 CHECKPOINT_FILE = "checkpoint.pt"
 #: a peer process's resumes at a later round than its checkpoint's, a row each (merge reports)
 REJOINS = "rejoins.jsonl"
+#: a peer process's older checkpoints, ROUND.pt: its last ones at multiples of
+#: ``checkpoint_every``, so that processes stopped at different rounds can resume at a common one
+KEPT = "kept"
 
 
 class Progress:
@@ -175,7 +178,8 @@ def clear_outputs(out: Path, keep_checkpoint: bool = False) -> None:
     resume that goes on keeps the checkpoint (``keep_checkpoint``): the summary and figures
     of a finished run taken further are of fewer rounds."""
     checkpoint = () if keep_checkpoint else (out / CHECKPOINT_FILE, out / REJOINS)
-    for path in (out / "summary.json", *checkpoint,
+    kept = () if keep_checkpoint or not (out / KEPT).is_dir() else (out / KEPT).glob("*.pt")
+    for path in (out / "summary.json", *checkpoint, *kept,
                  *(out / "plots" / f"{name}.png" for name in FIGURES)):  # fmt: skip
         write(path, lambda p: p.unlink(missing_ok=True))
 

@@ -62,22 +62,30 @@ def _cli(*args: str, timeout: float = 90) -> subprocess.CompletedProcess:
                           text=True, timeout=timeout, env=env)  # fmt: skip
 
 
-def test_peer_processes_equal_one_process(tmp_path):
-    """D-FedEM on the synthetic data: 3 peer processes (3, 3 and 2 peers), merged, against
-    the same config in one process (torch transport)."""
-    cfg = _config(tmp_path)
-    # the reference in this process (no interpreter start-up): the peers need their own
-    assert main(["run", str(cfg), "--out", str(tmp_path / "one"), "--quiet", "--no-plots"]) == 0
-    p2p = _cli("peers-local", str(cfg), "-n", "3")
-    assert p2p.returncode == 0, p2p.stderr
-    a = json.loads((tmp_path / "one" / "summary.json").read_text())
-    b = json.loads((tmp_path / "run" / "summary.json").read_text())
+def _same_results(one: Path, run: Path) -> dict:
+    """A merged peer-to-peer run's summary against one process's (float32 rounding apart)."""
+    a = json.loads((one / "summary.json").read_text())
+    b = json.loads((run / "summary.json").read_text())
     for key in ("test_accuracy", "test_accuracy_p10", "train_accuracy", "train_loss"):
         assert abs(a[key] - b[key]) < 1e-4, key
     np.testing.assert_allclose(b["client_test_accuracy"], a["client_test_accuracy"], atol=1e-4)
     np.testing.assert_allclose(b["consensus_distance"], a["consensus_distance"], rtol=1e-4)
     np.testing.assert_allclose(b["mixture_weights"], a["mixture_weights"], atol=1e-4)
     assert b["peers_reporting"] == 8 and b["processes"] == 3
+    return b
+
+
+def test_peer_processes_equal_one_process(tmp_path):
+    """D-FedEM on the synthetic data: 3 peer processes (3, 3 and 2 peers), merged, against
+    the same config in one process (torch transport). Then the same processes stopped at
+    different rounds resume together as the uninterrupted run goes on (below)."""
+    cfg = _config(tmp_path)
+    # the reference in this process (no interpreter start-up): the peers need their own
+    assert main(["run", str(cfg), "--out", str(tmp_path / "one"), "--quiet", "--no-plots"]) == 0
+    p2p = _cli("peers-local", str(cfg), "-n", "3")
+    assert p2p.returncode == 0, p2p.stderr
+    shutil.copytree(tmp_path / "run", tmp_path / "stopped")  # (for the resume below)
+    b = _same_results(tmp_path / "one", tmp_path / "run")
     links = b["links"]
     assert links["link_ends_lost"] == 0 and links["disagreements"] == 0
     assert links["drift_total"] < 1e-5  # float32 rounding only
@@ -101,6 +109,32 @@ def test_peer_processes_equal_one_process(tmp_path):
     with pytest.raises(GossipError, match="peer 0 is in the checkpoints of process 0 and of "
                                           "process 1: was one copied"):  # fmt: skip
         cli_peer.merge(tmp_path / "run")
+
+    # Processes stopped at different rounds: process 1 after round 4 (killed after its
+    # round-4 checkpoint), processes 0 and 2 after round 6. Resumed together to round 8,
+    # 0 and 2 go back to round 4, the latest round all three hold (kept/4.pt), and the run
+    # ends as one of 8 rounds does (they started at 6, process 1's peers skipping rounds 5-6)
+    run, one = tmp_path / "stopped", tmp_path / "one8"
+    shutil.copy(run / "peers/1/kept/4.pt", run / "peers/1/checkpoint.pt")
+    (run / "peers/1/summary.json").unlink()
+    (run / "peers.yaml").write_text(yaml.safe_dump(_ports(3)))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    argv = [sys.executable, "-m", "gossip_pfl", "peer", str(cfg), "--peers",
+            str(run / "peers.yaml"), "--out", str(run), "--set", "rounds=8", "--resume",
+            "--id"]  # fmt: skip
+    procs = [subprocess.Popen([*argv, str(k)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for k in range(3)]  # fmt: skip
+    logs = [p.communicate(timeout=90) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [e for _, e in logs]
+    for k in (0, 2):
+        assert "resumes at round 4, the latest round every process holds (its own " \
+               "checkpoint: 6)" in logs[k][0]  # fmt: skip
+    assert main(["merge", str(run)]) == 0
+    assert main(["run", str(cfg), "--out", str(one), "--set", "rounds=8", "--quiet",
+                 "--no-plots"]) == 0  # fmt: skip
+    merged = _same_results(one, run)
+    assert "rejoins" not in merged and merged["links"]["link_ends_lost"] == 0
+    assert sorted(p.name for p in (run / "peers/0/kept").iterdir()) == ["6.pt", "8.pt"]
 
 
 def test_a_process_that_never_exchanges_answers_before_it_closes():
@@ -212,6 +246,55 @@ def test_a_one_process_run_waits_for_nobody():
         out = ex.mix(x, ex.plan(Phase(2, np.arange(2), np.arange(2), np.ones(2)), key=0))
         torch.testing.assert_close(out, x)
         assert comm.last_links["lost"] == [] and time.monotonic() - start < 5
+    finally:
+        comm.close()
+
+
+@pytest.mark.parametrize(
+    ("firsts", "holds", "expected"),
+    [
+        # stopped after rounds 5, 4 and 5 (rank 1 killed after its round-4 checkpoint): all
+        # go back to 4, the latest round each holds a checkpoint of
+        ([5, 4, 5], [[2, 4, 5], [2, 4], [2, 4, 5]], [4, 4, 4]),
+        ([6, 6, 6], [[4, 6], [4, 6], [4, 6]], [6, 6, 6]),  # stopped together: no going back
+        # no round in common (stopped too far apart): the rejoin, at the latest round named
+        ([9, 3, 9], [[6, 8, 9], [2, 3], [6, 8, 9]], [9, 9, 9]),
+        # rank 2 is running at round 7 (no checkpoints named): the others rejoin it there
+        ([5, 4, 7], [[2, 4, 5], [2, 4], []], [7, 7, 7]),
+    ],
+)
+def test_processes_resuming_together_start_at_the_latest_round_all_hold(firsts, holds, expected):
+    """join with the rounds each process holds checkpoints of: the start each one takes, and
+    that a process that resumed so tells a latecomer the round it agreed on."""
+    n, peers = 3, _ports(3)
+    comms = [zc.ZmqComm(k, peers, "cpu", 10, p2p=True, link_timeout_s=2) for k in range(n)]
+
+    def worker(comm, out, k):
+        out[k] = comm.join(firsts[k], need_all=False, holds=tuple(holds[k]))
+
+    try:
+        out = _threads(n, worker, *[(c,) for c in comms])
+    finally:
+        for c in comms:
+            c.close()
+    assert [out.get(k) for k in range(n)] == expected
+    resumed = bool(holds[2]) and set(holds[0]) & set(holds[1]) & set(holds[2])
+    # those that resumed together say the round in their hellos (a latecomer starts there)
+    assert [c.agreed_round for c in comms] == [expected[0] if resumed else None] * n
+
+
+def test_a_latecomer_resumes_at_the_round_the_others_agreed_on():
+    """A process that hears the others already resumed (their hellos name the round they
+    agreed on) starts there if it holds that round, and rejoins the running peers if not."""
+    comm = zc.ZmqComm(0, _ports(3), "cpu", 10, p2p=True, link_timeout_s=2)
+    try:
+        comm._said = {1: (zc.AGREED, (4,)), 2: (zc.RESUMING, (2, 4, 5))}
+        assert comm._resume_round((2, 4, 5), [1, 2]) == 4
+        assert comm._resume_round((2, 5), [1, 2]) is None  # it lacks round 4
+        comm._said[2] = (zc.AGREED, (6,))  # two rounds agreed: no agreement
+        assert comm._resume_round((2, 4, 6), [1, 2]) is None
+        comm._said[2] = (0, ())  # one running: the rejoin
+        assert comm._resume_round((2, 4, 5), [1, 2]) is None
     finally:
         comm.close()
 

@@ -47,7 +47,9 @@ Peer to peer (``p2p=True``, what ``gossip-pfl peer`` builds; docs/p2p.md): no co
 - Start: ``join`` sends a hello to every process (every ``HELLO_EVERY_S``) and waits for
   theirs; a fresh start needs them all within ``timeout_s``, a restart needs one, and starts at
   the round the running peers name (it asks a peer again as soon as it answers with an earlier
-  round than the restart's, so it follows it round by round).
+  round than the restart's, so it follows it round by round). Processes that resume together
+  (none running) name the checkpoints they hold, and start at the latest round all of them
+  hold: they stopped at different rounds, and go on as the uninterrupted run would.
 - Link faults: in an exchange every message that lands is acknowledged at once; the link with
   rank r counts only when r's message landed here and r's ack of ours came back (both ends hold
   each other's rows). It is given up after ``link_timeout_s``, or at once when r is seen past
@@ -91,6 +93,10 @@ log = logging.getLogger(__name__)
 EXCHANGE, REDUCE, ACK, HELLO, ALIVE = 0, 1, 2, 3, 4
 #: seconds between a joining process's announcements (hellos)
 HELLO_EVERY_S = 0.25
+#: a hello's phase field: bit 0, the sender wants a reply; bit 1, it is resuming and its dims
+#: are the rounds it holds checkpoints of; bit 2, it resumed at the round its one dim names,
+#: the latest that the processes resuming with it all held
+WANTS_REPLY, RESUMING, AGREED = 1, 2, 4
 #: a process waiting on a neighbour tells its other neighbours it is alive every this fraction
 #: of the link timeout (a keepalive); each one extends their deadline for it by a link timeout
 ALIVE_EVERY = 0.25
@@ -294,6 +300,10 @@ class ZmqComm:
         self.link_timeout_s = float(link_timeout_s or timeout_s)
         self.faults = faults or Faults()
         self._heard: dict[int, int] = {}  # rank -> the round its last hello named
+        self._said: dict[int, tuple] = {}  # rank -> its last hello's (RESUMING/AGREED, dims)
+        self._holds: tuple[int, ...] = ()  # while resuming: the rounds of our checkpoints
+        #: the round this process resumed at, agreed with those resuming with it (None: not so)
+        self.agreed_round: int | None = None
         self._silent: set[int] = set()  # neighbours that sent nothing in their last exchange
         self._reply_to: set[int] = set()  # peers whose hello awaits an answer
         #: the run's config digest (positive, 31 bits; 0: not checked), sent in every hello: a
@@ -621,10 +631,11 @@ class ZmqComm:
         return f"{_KINDS[key[2]]} #{key[3]} of round {key[0]}, phase {key[1]}"
 
     # ------------------------------------------------------------------ peer to peer
-    def _control(self, peer: int, key, kind: int) -> None:
-        """A header-only message (ack, hello); dropped, never blocking, if the peer's queue is
-        full (a dead peer's)."""
-        head = _HEAD.pack(_MAGIC, key[0], key[1], kind, key[3], self.rank, 0, 0)
+    def _control(self, peer: int, key, kind: int, dims: tuple[int, ...] = ()) -> None:
+        """A header-only message (ack, hello; ``dims``: a few ints in the shape's place);
+        dropped, never blocking, if the peer's queue is full (a dead peer's)."""
+        head = _HEAD.pack(_MAGIC, key[0], key[1], kind, key[3], self.rank, 0, len(dims))
+        head += b"".join(_DIM.pack(d) for d in dims)
         try:
             self._socket(peer).send_multipart([head, b""], zmq.NOBLOCK)
         except zmq.Again:
@@ -638,19 +649,27 @@ class ZmqComm:
             sock.close(linger=0)
 
     def _hello(self, mkey, msg: _Msg) -> None:
-        """A peer announced itself (mkey[0]: its round; mkey[1]: 1 if it wants a reply;
-        mkey[3]: its config's digest)."""
+        """A peer announced itself (mkey[0]: its round; mkey[1]: WANTS_REPLY, RESUMING and
+        AGREED bits, of which the shape's dims; mkey[3]: its config's digest)."""
         self._drain(True)
         self._heard[msg.sender] = mkey[0]
-        if mkey[1]:
+        self._said[msg.sender] = (mkey[1] & (RESUMING | AGREED), msg.shape)
+        if mkey[1] & WANTS_REPLY:
             self._reply_to.add(msg.sender)
         if mkey[3] and self.config_digest and mkey[3] != self.config_digest:
             self._other_config.add(msg.sender)
 
     def _hello_to(self, peer: int, rnd: int, reply: bool) -> None:
-        """Announce this process to ``peer``: its round, whether it wants a reply, and its
-        config's digest."""
-        self._control(peer, (rnd, int(reply), HELLO, self.config_digest), HELLO)
+        """Announce this process to ``peer``: its round, whether it wants a reply, its
+        config's digest, and the rounds it can resume from (resuming) or resumed at (agreed)."""
+        flags, dims = int(reply), ()
+        if self._holds:
+            flags, dims = flags | RESUMING, self._holds
+        elif self.agreed_round is not None and self._round < self.agreed_round + self.world_size:
+            # (said for as many rounds as there are processes: until then a process that
+            # is late to resume holds its neighbours back, so that they wait for it there)
+            flags, dims = flags | AGREED, (self.agreed_round,)
+        self._control(peer, (rnd, flags, HELLO, self.config_digest), HELLO, dims)
 
     def _answer_hellos(self) -> None:
         """Tell the peers that asked which round this process is at (after a lost link's
@@ -673,10 +692,14 @@ class ZmqComm:
         slot[msg.sender] = msg
         return False
 
-    def join(self, first_round: int, need_all: bool, wait_round: int = 0) -> int:
+    def join(
+        self, first_round: int, need_all: bool, wait_round: int = 0, holds: tuple[int, ...] = ()
+    ) -> int:
         """Announce this process to every other one and wait for theirs; returns the round to
         start at: ``first_round``, or the latest round a running peer names (a restarted
-        peer rejoins at the current round).
+        peer rejoins at the current round), or, resuming with others that all resume too,
+        the latest of the rounds ``holds`` (those this process has checkpoints of) that every
+        one of them holds (:meth:`_resume_round`; ``agreed_round`` says so).
 
         ``need_all`` (a fresh start): every process must answer within ``timeout_s``, else a
         one-line GossipError names the silent ranks and their addresses. Otherwise (a restart)
@@ -685,11 +708,49 @@ class ZmqComm:
         ``timeout_s`` without any answer). Announcements repeat every ``HELLO_EVERY_S`` seconds (at
         most the link timeout): a running peer answers between two of its exchanges.
         """
-        self.set_tag(first_round, 0)
+        # (the earliest round it may start at: the exchanges of those that started there
+        # are kept for it)
+        self.set_tag(min([first_round, *holds]), 0)
         self._silent.clear()
         others = [r for r in self.peers if r != self.rank]
         if not others:  # a one-process run: nobody to wait for (waiting would time out)
             return first_round
+        self._holds = tuple(sorted(holds))
+        try:
+            self._await_hellos(first_round, need_all, wait_round, others)
+        finally:
+            self._holds = ()
+        heard = [r for r in others if r in self._heard]
+        self.agreed_round = self._resume_round(holds, heard)
+        start = self.agreed_round
+        if start is None:  # rejoin the running peers (or start afresh)
+            start = max([first_round, *(self._heard[r] for r in heard)])
+        self.set_tag(start, 0)  # queued messages of the rounds skipped are dropped as stale
+        return start
+
+    def _resume_round(self, holds: tuple[int, ...], heard: list[int]) -> int | None:
+        """The round to resume at if this process and every one it heard are resuming
+        together: the latest round all of them hold a checkpoint of (or that those already
+        resumed agreed on); None otherwise (one is running, or they hold no round in
+        common: they stopped too far apart, and the rejoin skips rounds instead)."""
+        said = [self._said.get(r, (0, ())) for r in heard]
+        if not holds or not heard or not all(flags for flags, _ in said):
+            return None
+        common = set(holds)
+        for flags, dims in said:
+            if flags & RESUMING:
+                common &= set(dims)
+        agreed = {dims[0] for flags, dims in said if flags & AGREED and dims}
+        if len(agreed) > 1:
+            return None
+        target = agreed.pop() if agreed else max(common, default=None)
+        return target if target in common else None
+
+    def _await_hellos(
+        self, first_round: int, need_all: bool, wait_round: int, others: list[int]
+    ) -> None:
+        """join's waiting: until every other process has answered (or, a restart, one has
+        and the others had a link timeout more), announcing this one every HELLO_EVERY_S."""
         deadline = time.monotonic() + self.timeout_s
         first_heard, announced = None, -math.inf
         # a few header-only messages: often enough that a restart waiting for round
@@ -750,13 +811,10 @@ class ZmqComm:
                     self._hello_to(msg.sender, first_round, reply=True)
             elif mkey[2] == ALIVE:  # a running peer waiting on another: nothing for us
                 self._drain(True)
-            elif mkey[:2] < self.tag or mkey[0] < latest:
+            elif mkey[:2] < self.tag or (not self._holds and mkey[0] < latest):
                 self._drop("stale", mkey, msg, "that operation is over")
             else:
                 self._queue_early(mkey, msg)
-        start = max([first_round, *(self._heard[r] for r in others if r in self._heard)])
-        self.set_tag(start, 0)  # queued messages of the rounds skipped are dropped as stale
-        return start
 
     def _settle(
         self, key, recvs: dict[int, torch.Tensor], sends: set[int], trackers, down=frozenset()
