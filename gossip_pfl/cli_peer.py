@@ -2,6 +2,7 @@
 
     gossip-pfl peer CONFIG --peers PEERS.yaml --id K [--resume]   one process, any start order
     gossip-pfl peers-local CONFIG -n N [--out RUN_DIR]             N processes on 127.0.0.1
+    gossip-pfl peers-local --resume RUN_DIR [--set rounds=R]       continue them all
     gossip-pfl merge RUN_DIR                                       metrics.jsonl + summary.json
 
 There is no process group and no all-reduce: process K holds a block of peers (as rank K does
@@ -39,6 +40,7 @@ from gossip_pfl.rundir import (
     REJOINS,
     check_out_dir,
     clear_outputs,
+    is_peer_run,
     read_rows,
     rewrite_rows,
     write_text,
@@ -49,8 +51,9 @@ if TYPE_CHECKING:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    def common(p: argparse.ArgumentParser) -> None:
-        p.add_argument("config", help="run config YAML (its schedule must be a gossip one)")
+    def common(p: argparse.ArgumentParser, config_nargs: str | None = None) -> None:
+        p.add_argument("config", nargs=config_nargs,
+                       help="run config YAML (its schedule must be a gossip one)")  # fmt: skip
         p.add_argument("--set", dest="overrides", action="append", default=[],
                        metavar="KEY=VALUE", help="override a config key (repeatable)")  # fmt: skip
         p.add_argument("--out", type=nonempty,
@@ -79,8 +82,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Start N processes of a peer-to-peer run on loopback (logs "
                        "in RUN_DIR/logs/), restart those the kill schedule crashes, and merge "
                        "their outputs.")  # fmt: skip
-    common(p)
-    p.add_argument("-n", type=int, required=True, help="number of processes")
+    common(p, config_nargs="?")
+    p.add_argument("-n", type=int, help="number of processes")
+    p.add_argument("--resume", metavar="RUN_DIR",
+                   help="continue the stopped peers-local run in RUN_DIR: every process from "
+                   "its checkpoint, at the latest round all of them hold; --set may change "
+                   "rounds")  # fmt: skip
     p.set_defaults(func=cmd_peers_local)
 
     p = sub.add_parser("merge", help="merge a peer-to-peer run's per-process outputs",
@@ -212,6 +219,10 @@ def free_ports(n: int) -> list[int]:
 
 
 def cmd_peers_local(args: argparse.Namespace) -> int:
+    if args.resume:
+        return _resume_local(args)
+    if args.config is None or args.n is None:
+        raise GossipError("peers-local needs CONFIG and -n N (or --resume RUN_DIR)")
     if args.n < 1:
         raise GossipError(f"-n must be >= 1 (got {args.n})")
     read_yaml(args.config)
@@ -256,8 +267,41 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
     resume = "".join(f"gossip-pfl {shlex.join([*base, '--id', str(k), '--resume'])}\n"
                      for k in range(args.n))  # fmt: skip
     write_text(run_dir / "logs" / RESUME_COMMANDS, resume)
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     restarts = {k["id"]: k["restart"] for k in cfg.runtime.faults.kill if "restart" in k}
+    return _launch(run_dir, [[*base, "--id", str(k)] for k in range(args.n)], restarts)
+
+
+def _resume_local(args: argparse.Namespace) -> int:
+    """``peers-local --resume RUN_DIR``: every process of RUN_DIR resumed from its own folder
+    (its config as it ran, ``--set`` added), on fresh ports, then merge. The folder may have
+    moved since: nothing is read from the commands it started with."""
+    run_dir = Path(args.resume)
+    given = [f for f, v in (("CONFIG", args.config), ("-n", args.n), ("--out", args.out),
+                            ("--overwrite", args.overwrite)) if v]  # fmt: skip
+    if given:
+        raise GossipError(f"--resume {run_dir} continues that run as it started: drop "
+                          f"{', '.join(given)} (--set may change rounds)")  # fmt: skip
+    if not is_peer_run(run_dir):
+        raise GossipError(f"--resume {run_dir}: not a peers-local run's folder (it has no "
+                          "peers.yaml and peers/)")  # fmt: skip
+    n = len(read_yaml(run_dir / "peers.yaml"))
+    configs = [run_dir / "peers" / str(k) / "config.yaml" for k in range(n)]
+    for k, config in enumerate(configs):
+        if not config.is_file():
+            raise GossipError(f"--resume {run_dir}: process {k} never started (no {config}); "
+                              "start the run again")  # fmt: skip
+    extra = [x for o in args.overrides for x in ("--set", o)]
+    peers = run_dir / "peers.yaml"  # the old ports may be taken now: all restart on new ones
+    write_text(peers, "".join(f"{k}: 127.0.0.1:{p}\n" for k, p in enumerate(free_ports(n))))
+    argvs = [["peer", str(config), "--peers", str(peers), "--out", str(run_dir), "--quiet",
+              "--id", str(k), "--resume", *extra] for k, config in enumerate(configs)]  # fmt: skip
+    return _launch(run_dir, argvs, {})
+
+
+def _launch(run_dir: Path, argvs: list[list[str]], restarts: dict[int, int]) -> int:
+    """Start a process per command line (``gossip-pfl ARGV``; process k logs to
+    RUN_DIR/logs/k.txt), restart those the kill schedule crashes, then merge."""
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     # on Linux the processes fork from one server that loaded torch once (peer_server.py);
     # elsewhere (forking after torch has loaded is unsafe on macOS) each is an interpreter
     server = None
@@ -268,7 +312,7 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
 
     def start(k: int, rejoin: list[str] = ()):
         log = run_dir / "logs" / f"{k}.txt"
-        argv = [*base, "--id", str(k), *rejoin]
+        argv = [*argvs[k], *rejoin]
         if server is not None:
             return server.start(argv, str(log))
         with open(log, "a") as out:  # (the child holds its own copy)
@@ -276,13 +320,13 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
             return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     try:
-        codes = _watch(start, args.n, restarts)
+        codes = _watch(start, len(argvs), restarts)
     except BaseException as err:  # (Ctrl-C, an error: no start still queued may fork a peer)
         # the hint first: a second Ctrl-C while the server closes cannot lose it
         if isinstance(err, KeyboardInterrupt):
-            print(f"gossip-pfl: to continue, run every command of "
-                  f"{run_dir / 'logs' / RESUME_COMMANDS} at once, then gossip-pfl merge "
-                  f"{run_dir} (docs/p2p.md)", file=sys.stderr)  # fmt: skip
+            print(f"gossip-pfl: to continue: gossip-pfl peers-local --resume {run_dir} (or "
+                  f"run every command of {run_dir / 'logs' / RESUME_COMMANDS} at once, then "
+                  f"gossip-pfl merge {run_dir}; docs/p2p.md)", file=sys.stderr)  # fmt: skip
         if server is not None:
             server.close(abort=True)
         raise

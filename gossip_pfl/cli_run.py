@@ -62,9 +62,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             raise GossipError(f"--resume {args.resume} continues the run in its own folder; "
                               f"drop --out {args.out}")  # fmt: skip
         if is_peer_run(Path(args.resume)):  # (said: config file not found)
-            raise GossipError(f"--resume {args.resume}: a peer-to-peer run (peers-local), whose "
-                              "processes each resume with gossip-pfl peer ... --resume "
-                              "(docs/p2p.md)")  # fmt: skip
+            raise GossipError(f"--resume {args.resume}: a peer-to-peer run (peers-local); "
+                              f"continue it with gossip-pfl peers-local --resume "
+                              f"{args.resume}")  # fmt: skip
         # the run's own resolved config, unless one is given (then it must match the checkpoint)
         source = args.config or str(Path(args.resume) / "config.yaml")
         cfg = load_config(source, overrides + [path_override("out", args.resume)], unread=False)

@@ -279,8 +279,18 @@ def test_a_peer_to_peer_folder_is_not_offered_to_run_resume(tmp_path, capsys):
     cfg = str(ROOT / "configs/synthetic/fedavg.yaml")
     taken = r"holds another run \(summary.json\); choose another --out or replace"
     _one_line_error(capsys, ["run", cfg, "--out", str(tmp_path)], taken)
-    peers = r"a peer-to-peer run \(peers-local\), whose processes each resume"
+    peers = rf"a peer-to-peer run \(peers-local\); continue it with gossip-pfl peers-local " \
+            rf"--resume {re.escape(str(tmp_path))}$"  # fmt: skip
     _one_line_error(capsys, ["run", "--resume", str(tmp_path)], peers)
+    # and peers-local --resume: what it cannot continue, and what it does not take
+    cfg = str(ROOT / "configs/synthetic/p2p_small.yaml")
+    for argv, message in [
+        (["--resume", str(tmp_path)], r"process 0 never started \(no .*peers/0/config.yaml\)"),
+        (["--resume", str(tmp_path / "peers")], "not a peers-local run's folder"),
+        ([cfg, "--resume", str(tmp_path), "-n", "2"], "drop CONFIG, -n"),
+        ([cfg], r"peers-local needs CONFIG and -n N \(or --resume RUN_DIR\)"),
+    ]:
+        _one_line_error(capsys, ["peers-local", *argv], message)
 
 
 def test_the_lstm_takes_token_ids_stored_as_floats(tmp_path):

@@ -117,19 +117,11 @@ def test_peer_processes_equal_one_process(tmp_path):
     run, one = tmp_path / "stopped", tmp_path / "one8"
     shutil.copy(run / "peers/1/kept/4.pt", run / "peers/1/checkpoint.pt")
     (run / "peers/1/summary.json").unlink()
-    (run / "peers.yaml").write_text(yaml.safe_dump(_ports(3)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
-    argv = [sys.executable, "-m", "gossip_pfl", "peer", str(cfg), "--peers",
-            str(run / "peers.yaml"), "--out", str(run), "--set", "rounds=8", "--resume",
-            "--id"]  # fmt: skip
-    procs = [subprocess.Popen([*argv, str(k)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env) for k in range(3)]  # fmt: skip
-    logs = [p.communicate(timeout=90) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0, 0], [e for _, e in logs]
-    for k in (0, 2):
-        assert "resumes at round 4, the latest round every process holds (its own " \
-               "checkpoint: 6)" in logs[k][0]  # fmt: skip
-    assert main(["merge", str(run)]) == 0
+    resumed = _cli("peers-local", "--resume", str(run), "--set", "rounds=8")
+    assert resumed.returncode == 0, resumed.stderr
+    for k in range(3):  # each went back to round 4 (0 and 2 from 6; 1 from its own round 4)
+        rounds = [json.loads(x)["round"] for x in (run / f"peers/{k}/links.jsonl").open()]
+        assert rounds == [*range(6), *range(4, 8)], (k, rounds)
     assert main(["run", str(cfg), "--out", str(one), "--set", "rounds=8", "--quiet",
                  "--no-plots"]) == 0  # fmt: skip
     merged = _same_results(one, run)
@@ -669,9 +661,9 @@ def test_ctrl_c_of_peers_local_says_where_each_process_says_how_to_go_on(tmp_pat
     run = tmp_path / "run"
     assert main(["peers-local", str(_config(tmp_path)), "-n", "2", "--out", str(run)]) == 130
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"gossip-pfl: to continue, run every command of {run / 'logs'}/resume.txt "
-                   f"at once, then gossip-pfl merge {run} (docs/p2p.md)",
-                   "gossip-pfl: interrupted"]  # fmt: skip
+    assert err == [f"gossip-pfl: to continue: gossip-pfl peers-local --resume {run} (or run "
+                   f"every command of {run / 'logs'}/resume.txt at once, then gossip-pfl merge "
+                   f"{run}; docs/p2p.md)", "gossip-pfl: interrupted"]  # fmt: skip
     commands = [shlex.split(x) for x in (run / "logs" / "resume.txt").read_text().splitlines()]
     for k, argv in enumerate(commands):
         assert argv[:2] == ["gossip-pfl", "peer"] and argv[-3:] == ["--id", str(k), "--resume"]
