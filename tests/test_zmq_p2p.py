@@ -82,8 +82,7 @@ def test_peer_processes_equal_one_process(tmp_path):
     cfg = _config(tmp_path)
     # the reference in this process (no interpreter start-up): the peers need their own
     assert main(["run", str(cfg), "--out", str(tmp_path / "one"), "--quiet", "--no-plots"]) == 0
-    p2p = _cli("peers-local", str(cfg), "-n", "3")
-    assert p2p.returncode == 0, p2p.stderr
+    assert main(["peers-local", str(cfg), "-n", "3"]) == 0
     shutil.copytree(tmp_path / "run", tmp_path / "stopped")  # (for the resume below)
     b = _same_results(tmp_path / "one", tmp_path / "run")
     links = b["links"]
@@ -117,8 +116,7 @@ def test_peer_processes_equal_one_process(tmp_path):
     run, one = tmp_path / "stopped", tmp_path / "one8"
     shutil.copy(run / "peers/1/kept/4.pt", run / "peers/1/checkpoint.pt")
     (run / "peers/1/summary.json").unlink()
-    resumed = _cli("peers-local", "--resume", str(run), "--set", "rounds=8")
-    assert resumed.returncode == 0, resumed.stderr
+    assert main(["peers-local", "--resume", str(run), "--set", "rounds=8"]) == 0
     for k in range(3):  # each went back to round 4 (0 and 2 from 6; 1 from its own round 4)
         rounds = [json.loads(x)["round"] for x in (run / f"peers/{k}/links.jsonl").open()]
         assert rounds == [*range(6), *range(4, 8)], (k, rounds)
