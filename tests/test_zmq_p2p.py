@@ -634,7 +634,8 @@ def test_a_server_schedule_keeps_the_peers_average(tmp_path, capsys):
 
 def test_a_peer_process_run_again_with_overwrite_starts_its_links_anew(tmp_path):
     """links.jsonl is appended to (a restart adds to it): a fresh run with --overwrite kept the
-    old run's exchanges, and merge counted both runs'. One process (in this one) of one ring."""
+    old run's exchanges, and merge counted both runs'. Its kept checkpoints go too (a resume
+    would name the old run's rounds). One process (in this one) of one ring."""
     cfg = _config(tmp_path)
     peers = tmp_path / "peers.yaml"
     peers.write_text(yaml.safe_dump(_ports(1)))
@@ -642,8 +643,11 @@ def test_a_peer_process_run_again_with_overwrite_starts_its_links_anew(tmp_path)
     assert main(["peer", str(cfg), *args, "--set", "rounds=6"]) == 0
     links = tmp_path / "run" / "peers" / "0" / "links.jsonl"  # the process's own folder
     assert len(links.read_text().splitlines()) == 6
-    assert main(["peer", str(cfg), *args, "--set", "rounds=2", "--overwrite"]) == 0
-    assert [json.loads(r)["round"] for r in links.read_text().splitlines()] == [0, 1]
+    kept = links.parent / "kept"
+    assert sorted(p.name for p in kept.iterdir()) == ["4.pt", "6.pt"]  # (checkpoint_every 2)
+    assert main(["peer", str(cfg), *args, "--set", "rounds=3", "--overwrite"]) == 0
+    assert [json.loads(r)["round"] for r in links.read_text().splitlines()] == [0, 1, 2]
+    assert sorted(p.name for p in kept.iterdir()) == ["2.pt"]
 
 
 def test_ctrl_c_of_peers_local_says_where_each_process_says_how_to_go_on(tmp_path, capsys,
