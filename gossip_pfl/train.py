@@ -1216,17 +1216,29 @@ class Trainer(RoundLoop):
         collectives check at once: one that went bad stops before it sends its parameters."""
         self._finite_checked()  # the last round's first: one in the queue (its buffer is reused)
         flat = theta.view(theta.shape[0], -1)
+        # and the peers' private state (APFL's and pFedMe's models, alpha, FedEM's pi): an
+        # APFL run whose personal models went NaN ended with exit 0, its losses NaN
+        # (dtype and shape read in Python: no operation dispatched where none is needed)
+        parts = [
+            flat,
+            *(
+                v if v.dim() == 2 else v.reshape(v.shape[0], -1)
+                for v in self.personal.values()
+                if v.dtype.is_floating_point and v.dim() and v.shape[0] == flat.shape[0]
+            ),
+        ]
         multi = self.comm.world_size > 1 and self.collectives
         queue = self.device.type in QUEUE_CHECK_ON and (self.comm.world_size == 1 or multi)
         if not queue and not multi and flat.numel():
-            if not _all_finite(flat):
-                bad = (~torch.isfinite(flat)).any(-1)
-                self._raise_not_finite(t, int(bad.nonzero()[0, 0]) + 1, 1)
+            for part in parts:
+                if not _all_finite(part):
+                    bad = (~torch.isfinite(part)).any(-1)
+                    self._raise_not_finite(t, int(bad.nonzero()[0, 0]) + 1, 1)
             return
         if multi:  # (first bad peer here + 1 or 0, the same summed over the ranks), on the device
             flag = torch.zeros(2, dtype=torch.float64, device=self.device)
             if flat.numel():
-                lo, hi = torch.aminmax(flat, dim=1)  # NaN propagates; one pass, no temporary
+                lo, hi = _row_bounds(parts)
                 bad = ~(torch.isfinite(lo) & torch.isfinite(hi))
                 first = bad.to(torch.uint8).argmax() + 1  # the first True (argmax: the first)
                 flag[:] = torch.where(bad.any(), first, 0).double()
@@ -1235,7 +1247,7 @@ class Trainer(RoundLoop):
             return
         else:  # one process: each peer's smallest and largest value, read on the host (two
             # operations and the copy where the flag took a dozen: on a GPU, host time)
-            flag = torch.stack(torch.aminmax(flat, dim=1))  # (2, L)
+            flag = torch.stack(_row_bounds(parts))  # (2, L)
         self._finite_pending = (t, flag)
         if not queue:
             return self._finite_checked()
@@ -1471,6 +1483,17 @@ class Trainer(RoundLoop):
     def shared_parameters(self) -> np.ndarray:
         """This rank's peers' shared state (L, M, P) as a numpy array (for tests)."""
         return self.nodes[: len(self.peers)].detach().cpu().numpy()
+
+
+def _row_bounds(parts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's smallest and largest value over ``parts`` (each (L, k), the same rows; NaN
+    propagates: aminmax, then minimum and maximum, one pass each, no temporary)."""
+    lo, hi = torch.aminmax(parts[0], dim=1)
+    for part in parts[1:]:
+        if part.numel():
+            lo2, hi2 = torch.aminmax(part.to(lo.dtype), dim=1)
+            lo, hi = torch.minimum(lo, lo2), torch.maximum(hi, hi2)
+    return lo, hi
 
 
 def _all_finite(x: torch.Tensor) -> bool:

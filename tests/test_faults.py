@@ -293,6 +293,16 @@ def test_a_diverged_run_names_its_round_counted_from_1(tmp_path, capsys):
     one_line_error(capsys, args, "round 1: the parameters of a peer (first: peer ")
 
 
+def test_private_models_that_diverge_stop_the_run(tmp_path, capsys):
+    """APFL's private models (never mixed) went NaN while the shared ones stayed finite: the
+    run ended with exit 0, NaN losses in its metrics and summary."""
+    args = ["run", str(write_cfg(tmp_path)), "--out", str(tmp_path / "o"), "--quiet",
+            "--set", "algorithm.name=apfl", "--set", "model.name=mlp",
+            "--set", "algorithm.personal_lr=1000"]  # fmt: skip
+    one_line_error(capsys, args, "algorithm.personal_lr (now 1000)")
+    assert "NaN" not in (tmp_path / "o" / "metrics.jsonl").read_text()
+
+
 # ---- signals ----------------------------------------------------------------------------------
 def test_sigterm_checkpoints_and_the_resumed_run_equals_the_uninterrupted(tmp_path, capsys):
     """SIGTERM in the middle: the run finishes its round, writes a checkpoint, says how to

@@ -412,6 +412,23 @@ def test_peers_without_collectives_check_at_once(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("queued", [False, True])
+def test_finite_check_reads_the_peers_private_state(queued, monkeypatch, tmp_path):
+    """Mixture weights that went bad while the shared models stayed finite stop the run too
+    (an APFL run whose private models went NaN ended with exit 0, its losses NaN)."""
+    import gossip_pfl.train as train
+
+    if queued:
+        monkeypatch.setattr(train, "QUEUE_CHECK_ON", ("cpu",))
+    tr = Trainer(cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}), dataset=toy_dataset(8),
+                 log=quiet)  # fmt: skip
+    theta = tr.nodes[: len(tr.peers)].clone()
+    tr.personal["pi"][6, 2] = float("nan")
+    with pytest.raises(GossipError, match=r"round 3: .*\(first: peer 6 on rank 0\)"):
+        tr._check_finite(2, theta)
+        tr.settle()
+
+
+@pytest.mark.parametrize("queued", [False, True])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_finite_check_names_the_first_bad_peer(bad, queued, monkeypatch, tmp_path):
     """At once (a CPU), and queued as on a GPU (each peer's smallest and largest value read
