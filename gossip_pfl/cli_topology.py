@@ -380,11 +380,14 @@ def _write_consensus(out: Path, rows: list[dict], curves: list, args) -> dict[st
     for path in files.values():  # a folder in a file's place: an IsADirectoryError traceback
         if Path(path).is_dir():
             raise TopologyError(f"cannot write {path}: it is a folder")
-    with open(files["csv"], "w", newline="") as fh:
-        w = csv.writer(fh)
-        w.writerow(["round"] + [r["name"] for r in rows])
-        for t in range(args.rounds + 1):
-            w.writerow([t] + [f"{c.errors[t]:.6e}" for c in curves])
+    def write_csv(path: Path) -> None:
+        with open(path, "w", newline="") as fh:
+            w = csv.writer(fh)
+            w.writerow(["round"] + [r["name"] for r in rows])
+            for t in range(args.rounds + 1):
+                w.writerow([t] + [f"{c.errors[t]:.6e}" for c in curves])
+
+    _write_at_once(files["csv"], write_csv)
     doc = {
         "rounds": args.rounds,
         "seed": args.seed,
@@ -395,12 +398,26 @@ def _write_consensus(out: Path, rows: list[dict], curves: list, args) -> dict[st
             for r, c in zip(rows, curves)
         ],
     }
-    Path(files["json"]).write_text(json.dumps(doc, indent=1))
-    _plot(files["png"], rows, curves)
+    _write_at_once(files["json"], lambda path: path.write_text(json.dumps(doc, indent=1)))
+    _write_at_once(files["png"], lambda path: _plot(path, rows, curves))
     return files
 
 
-def _plot(path: str, rows: list[dict], curves: list) -> None:
+def _write_at_once(path: str | Path, save) -> None:
+    """``save(tmp)`` beside ``path`` (same suffix: numpy and matplotlib read it), then the
+    file at once: a full disk leaves the old file or none, never a cut one, and one line."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+    try:
+        save(tmp)
+        os.replace(tmp, path)
+    except OSError as err:
+        raise TopologyError(f"cannot write {path}: {one_line(err)}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def _plot(path: str | Path, rows: list[dict], curves: list) -> None:
     # Figure + Agg canvas directly: no pyplot, so no global backend switch in the caller
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -474,8 +491,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise TopologyError(f"cannot write {out}: {blocker} is a file, not a folder")
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        save_npz(schedule, out, rounds=args.rounds)
     except OSError as err:
         raise TopologyError(f"cannot write {out}: {one_line(err)}") from None
+    _write_at_once(out, lambda path: save_npz(schedule, path, rounds=args.rounds))
     print(f"wrote {out}: W with shape ({args.rounds}, {schedule.n}, {schedule.n})")
     return 0

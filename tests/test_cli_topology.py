@@ -415,3 +415,44 @@ def test_a_schedule_that_never_links_says_so(tmp_path, capsys, spec_module):
     assert main(["topology", "describe", str(spec), "--horizon", "2000"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "links join the 8 peers into 8 components" in err[0], err
+
+
+def _cut_write(write, at: int = 0, after: int = 100):
+    """``write`` (its file: positional argument ``at``) that leaves ``after`` bytes in its
+    file, then fails as a full disk."""
+    import errno
+
+    def cut(*args, **kw):
+        write(*args, **kw)
+        with open(args[at], "r+b") as fh:
+            fh.truncate(after)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    return cut
+
+
+def test_a_full_disk_leaves_no_cut_figure(tmp_path, capsys, fake_load, monkeypatch):
+    """consensus's files on a full disk: one line naming the file, and the file that was
+    there is kept whole (a traceback, and a cut file, before)."""
+    out = tmp_path / "c"
+    args = ["consensus", "ring8.yaml", "--rounds", "20", "--out", str(out)]
+    assert main(args) == 0
+    capsys.readouterr()
+    before = (out / "consensus.png").read_bytes()
+    monkeypatch.setattr(cli_topology, "_plot", _cut_write(cli_topology._plot))
+    assert main(args) == 2
+    assert f"cannot write {out / 'consensus.png'}: " in one_error_line(capsys)
+    assert (out / "consensus.png").read_bytes() == before
+    assert sorted(p.name for p in out.iterdir()) == ["consensus.csv", "consensus.json",
+                                                     "consensus.png"]  # fmt: skip
+
+
+def test_a_full_disk_leaves_no_cut_export(tmp_path, capsys, spec_module, monkeypatch):
+    """export's matrices on a full disk: one line naming the file, no cut .npz."""
+    from topologies import spec
+
+    monkeypatch.setattr(spec, "save_npz", _cut_write(spec.save_npz, at=1))
+    w = tmp_path / "W.npz"
+    assert main(["topology", "export", RING, "--rounds", "2", "-o", str(w)]) == 2
+    assert f"cannot write {w}: " in one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
