@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import threading
 from pathlib import Path
@@ -155,8 +156,9 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
             if (out / f).exists() and (f != "metrics.jsonl" or (out / f).stat().st_size)
         ]
         if found and not overwrite:
-            # a peers-local run's processes resume one by one (gossip-pfl peer ... --resume)
-            go_on = "" if is_peer_run(out) else f", continue it with --resume {out},"
+            go_on = f", continue it with --resume {out}," if CHECKPOINT_FILE in found else ""
+            if is_peer_run(out):
+                go_on = f", continue it with gossip-pfl peers-local --resume {out},"
             raise GossipError(
                 f"out: {out} holds another run ({', '.join(found)}); choose another --out"
                 f"{go_on} or replace it with --overwrite"
@@ -182,6 +184,12 @@ def clear_outputs(out: Path, keep_checkpoint: bool = False) -> None:
     for path in (out / "summary.json", *checkpoint, *kept,
                  *(out / "plots" / f"{name}.png" for name in FIGURES)):  # fmt: skip
         write(path, lambda p: p.unlink(missing_ok=True))
+    if not keep_checkpoint and is_peer_run(out):  # a run written over a peers-local run: its
+        # processes' folders go (merge put their old results over the new run's, and the new
+        # run's --resume was refused as a peer-to-peer run's)
+        for folder in (out / "peers", out / "logs"):
+            write(folder, lambda p: shutil.rmtree(p, ignore_errors=True))
+        write(out / "peers.yaml", lambda p: p.unlink(missing_ok=True))
 
 
 def append_row(path: Path, row: dict) -> None:

@@ -277,7 +277,8 @@ def test_a_peer_to_peer_folder_is_not_offered_to_run_resume(tmp_path, capsys):
     (tmp_path / "peers.yaml").write_text("0: 127.0.0.1:5000\n")
     (tmp_path / "summary.json").write_text("{}")
     cfg = str(ROOT / "configs/synthetic/fedavg.yaml")
-    taken = r"holds another run \(summary.json\); choose another --out or replace"
+    taken = (r"holds another run \(summary.json\); choose another --out, continue it with "
+             r"gossip-pfl peers-local --resume .*, or replace it with --overwrite")  # fmt: skip
     _one_line_error(capsys, ["run", cfg, "--out", str(tmp_path)], taken)
     peers = rf"a peer-to-peer run \(peers-local\); continue it with gossip-pfl peers-local " \
             rf"--resume {re.escape(str(tmp_path))}$"  # fmt: skip
@@ -291,6 +292,23 @@ def test_a_peer_to_peer_folder_is_not_offered_to_run_resume(tmp_path, capsys):
         ([cfg], r"peers-local needs CONFIG and -n N \(or --resume RUN_DIR\)"),
     ]:
         _one_line_error(capsys, ["peers-local", *argv], message)
+    # written over: the processes' folders go (merge put them over the new run's results, and
+    # its --resume was refused as a peer-to-peer run's)
+    assert main(["run", cfg, "--out", str(tmp_path), "--overwrite", "--quiet", "--no-plots",
+                 *SMALL]) == 0  # fmt: skip
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["checkpoint.pt", "config.yaml", "metrics.jsonl", "summary.json"]
+    _one_line_error(capsys, ["merge", str(tmp_path)], "no process outputs")
+
+
+def test_a_folder_without_a_checkpoint_is_not_offered_to_resume(tmp_path, capsys):
+    """A run killed before any checkpoint (checkpoint_every 0) left its metrics: a new run
+    there was told to continue it with --resume, which found no checkpoint."""
+    (tmp_path / "metrics.jsonl").write_text('{"round": 1}\n')
+    cfg = str(ROOT / "configs/synthetic/fedavg.yaml")
+    _one_line_error(capsys, ["run", cfg, "--out", str(tmp_path)],
+                    r"holds another run \(metrics.jsonl\); choose another --out or replace it "
+                    r"with --overwrite$")  # fmt: skip
 
 
 def test_the_lstm_takes_token_ids_stored_as_floats(tmp_path):
