@@ -314,11 +314,14 @@ PER_PROCESS = ("out", *(f"runtime.{k}" for k in RUNTIME_PER_PROCESS), "data.root
                "data.cache_dir", "eval.chunk")  # fmt: skip
 #: ... and between the processes of a peer-to-peer run, each saving its own checkpoints
 PEER_PROCESS = (*PER_PROCESS, "checkpoint_every")
-#: what a resume may change: where to write, how long to go on, how often to save, and how to
-#: run (device, backend, batching, call sizes: like the number of ranks, these change float
-#: rounding, not the algorithm; a runtime key since removed too), but RUNTIME_SHARED (a resume
-#: in bf16 moved the parameters by 6e-4, unsaid), which RoundLoop.check_config compares
-RESUMABLE = ("out", "rounds", "checkpoint_every", "eval.chunk", "runtime")
+#: what a resume may change: where to write, how long to go on, how often to save, where the
+#: data is read and cached (the data's digest is checked: RoundLoop.check_data; a torchrun
+#: rank with its own data.cache_dir could not resume), and how to run (device, backend,
+#: batching, call sizes: like the number of ranks, these change float rounding, not the
+#: algorithm; a runtime key since removed too), but RUNTIME_SHARED (a resume in bf16 moved the
+#: parameters by 6e-4, unsaid), which RoundLoop.check_config compares
+RESUMABLE = ("out", "rounds", "checkpoint_every", "eval.chunk", "data.root", "data.cache_dir",
+             "data.cache", "runtime")  # fmt: skip
 
 
 def config_differences(

@@ -137,6 +137,34 @@ def test_resume_with_other_runtime_settings(tmp_path):
         np.testing.assert_allclose(th, theta[p], rtol=1e-6, atol=1e-7)
 
 
+def test_resume_reads_its_data_from_another_place(tmp_path, capsys):
+    """Where the data is read and cached may differ per rank (docs/distributed.md) and on
+    resume: a torchrun rank with its own data.cache_dir could not resume (keys differ). The
+    data's digest still guards what is read."""
+    from gossip_pfl.cli import main
+
+    run = ["run", "--quiet", "--no-plots", "--set", "rounds=2", "--set", "data.n_clients=6",
+           "--set", "data.n_test=20", "--set", "data.dim=10"]  # fmt: skip
+    out = ["--out", str(tmp_path / "run")]
+    assert main([*run, *out, "--set", f"data.cache_dir={tmp_path / 'a'}"]) == 0
+    again = [
+        "run",
+        "--resume",
+        str(tmp_path / "run"),
+        "--quiet",
+        "--no-plots",
+        "--set",
+        "rounds=3",
+        "--set",
+        f"data.cache_dir={tmp_path / 'b'}",
+        "--set",
+        "data.cache=false",
+    ]
+    assert main(again) == 0, capsys.readouterr().err
+    assert main([*again[:-4], "--set", "rounds=4", "--set", "data.dim=11"]) == 2
+    assert "keys differ: data.dim" in capsys.readouterr().err
+
+
 def test_resume_with_other_config_names_keys(tmp_path):
     run_until(cfg_for(tmp_path / "cut"), stop_after=2)
     changed = cfg_for(tmp_path / "cut", seed=6)
