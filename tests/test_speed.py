@@ -691,6 +691,13 @@ def test_thread_default_follows_affinity_ranks_and_env(monkeypatch):
     assert default_threads({"LOCAL_WORLD_SIZE": "32"})[0] == 1
     assert default_threads({"OMP_NUM_THREADS": "3", "LOCAL_WORLD_SIZE": "4"}) == (
         3, "OMP_NUM_THREADS")  # fmt: skip
+    threads, how = default_threads({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert threads == 1 and how == (  # torchrun's 1 for several ranks: how to choose
+        "OMP_NUM_THREADS; torchrun sets it to 1 for its 2 ranks on a node unless it is set: "
+        "runtime.threads=N to choose"
+    )
+    assert default_threads({"OMP_NUM_THREADS": "1", "LOCAL_WORLD_SIZE": "1"}) == (
+        1, "OMP_NUM_THREADS")  # fmt: skip
     for bad in ("0", "-2", "two", "1.5", "٣"):  # a broken launch, not one rank
         with pytest.raises(GossipError, match=f"LOCAL_WORLD_SIZE='{bad}' is not a positive"):
             default_threads({"LOCAL_WORLD_SIZE": bad})

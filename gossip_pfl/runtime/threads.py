@@ -62,9 +62,14 @@ def default_threads(env: dict[str, str] | None = None) -> tuple[int, str]:
     """(threads, where the number comes from) when the config leaves ``runtime.threads`` at 0."""
     env = os.environ if env is None else env
     omp = env.get("OMP_NUM_THREADS", "").strip()
-    if omp.isdigit() and int(omp) > 0:
-        return int(omp), "OMP_NUM_THREADS"
     local = env.get("LOCAL_WORLD_SIZE", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        if omp == "1" and local.isascii() and local.isdigit() and int(local) > 1:
+            return 1, (  # most likely torchrun's own 1: say how to choose another count
+                f"OMP_NUM_THREADS; torchrun sets it to 1 for its {int(local)} ranks on a node "
+                "unless it is set: runtime.threads=N to choose"
+            )
+        return int(omp), "OMP_NUM_THREADS"
     if local and not (local.isascii() and local.isdigit() and int(local) > 0):
         raise GossipError(  # torchrun sets the ranks on this node: anything else is broken
             f"LOCAL_WORLD_SIZE={local!r} is not a positive whole number (torchrun sets it to "
