@@ -104,7 +104,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             v = summary[k]
             if isinstance(v, list):
                 v = " ".join(f"{w:.3f}" for w in v)
-            print(f"  {k:<{width}}  {v:.4f}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
+            form = workload.summary_formats.get(k, ".4f")
+            print(f"  {k:<{width}}  {v:{form}}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
         try:  # (after the results: a Ctrl-C while they are drawn loses nothing else)
             plots = [] if args.no_plots else workload.write_plots(Path(cfg.out))
         except KeyboardInterrupt:

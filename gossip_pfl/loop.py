@@ -43,6 +43,8 @@ class RoundLoop:
 
     #: the summary keys ``gossip-pfl run`` prints (those present)
     summary_keys: tuple[str, ...] = ("rounds", "wall_seconds")
+    #: a format for a printed key whose floats ``.4f`` would round away (default ``.4f``)
+    summary_formats: dict[str, str] = {}
 
     @staticmethod
     def comm_device(rt) -> str:

@@ -5,6 +5,7 @@ through the CLI."""
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -235,6 +236,9 @@ def test_cli_run_prints_em_results(tmp_path, capsys):
     assert main(args) == 0
     out = capsys.readouterr().out
     assert "results (fedem_em" in out and "h_sq" in out and "bits_up" in out
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for key in ("h_sq", "H_sq"):  # three significant digits, not .4f's 0.0000
+        assert re.search(rf"^  {key} +{re.escape(format(summary[key], '.3g'))}$", out, re.M), out
     assert (tmp_path / "run" / "plots" / "expfam.png").is_file()
 
 

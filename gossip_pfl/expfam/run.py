@@ -132,6 +132,8 @@ class ExpFamRun(RoundLoop):
     summary_keys = ("h_sq", "H_sq", "loglik", "epochs", "bits_up", "bits_sent", "projected",
                     "mixture_weights", "imputation_rmse", "mean_imputation_rmse", "rounds",
                     "wall_seconds")  # fmt: skip
+    #: ||h||^2 and ||H||^2 go to 1e-6 and below: three significant digits, not 0.0000
+    summary_formats = {"h_sq": ".3g", "H_sq": ".3g"}
 
     @staticmethod
     def write_plots(run_dir: Path) -> list[Path]:
