@@ -75,8 +75,9 @@ class LineSearchConfig:
     beta: float = 0.9  #: backtracking factor
     eta_max: float = 1.0  #: first trial of a round
     max_trials: int = 100  #: backtracking trials per step; the last trial's eta is then taken
-    #: where the next step's search starts: grow (eta * 2^(1/batches per epoch), the usual SLS
-    #: reset), keep (the last accepted eta) or max (eta_max every step)
+    #: where the next step's search starts: grow (eta * 2^(1/batches per epoch), the reset of
+    #: SLS, Vaswani et al.'s stochastic line search), keep (the last accepted eta) or max
+    #: (eta_max every step)
     reset: str = "grow"
 
 
