@@ -380,6 +380,7 @@ def _write_consensus(out: Path, rows: list[dict], curves: list, args) -> dict[st
     for path in files.values():  # a folder in a file's place: an IsADirectoryError traceback
         if Path(path).is_dir():
             raise TopologyError(f"cannot write {path}: it is a folder")
+
     def write_csv(path: Path) -> None:
         with open(path, "w", newline="") as fh:
             w = csv.writer(fh)
