@@ -84,7 +84,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                        "their outputs.")  # fmt: skip
     common(p, config_nargs="?")
     p.add_argument("-n", type=int, help="number of processes")
-    p.add_argument("--resume", metavar="RUN_DIR",
+    p.add_argument("--resume", metavar="RUN_DIR", type=nonempty,
                    help="continue the stopped peers-local run in RUN_DIR: every process from "
                    "its checkpoint, at the latest round all of them hold; --set may change "
                    "rounds")  # fmt: skip
@@ -93,7 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("merge", help="merge a peer-to-peer run's per-process outputs",
                        description="Merge RUN_DIR/peers/*/ into RUN_DIR/metrics.jsonl and "
                        "RUN_DIR/summary.json.")  # fmt: skip
-    p.add_argument("run_dir", help="the run folder whose peers/K/ folders to merge")
+    p.add_argument("run_dir", type=nonempty, help="the run folder whose peers/K/ folders to merge")
     p.set_defaults(func=cmd_merge)
 
 

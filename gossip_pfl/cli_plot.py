@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from gossip_pfl.cli import nonempty
 from gossip_pfl.errors import GossipError
 
 #: --out when several runs are compared (one run: RUN_DIR/plots)
@@ -26,12 +27,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "runs",
         nargs="+",
+        type=nonempty,
         metavar="RUN_DIR",
         help="output folders of 'gossip-pfl run' (a run still going is plotted up to its "
         "last evaluation)",
     )
     p.add_argument(
         "--out",
+        type=nonempty,
         metavar="DIR",
         help=f"output folder (default: RUN_DIR/plots for one run, {MULTI_RUN_OUT} for several)",
     )

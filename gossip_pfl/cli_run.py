@@ -40,7 +40,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="replace the run already in the output folder (default: refuse)",
     )
     p.add_argument(
-        "--resume", metavar="RUN_DIR", help="continue the run in RUN_DIR from its last checkpoint"
+        "--resume",
+        type=nonempty,
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its last checkpoint",
     )
     p.set_defaults(func=cmd_run)
 

@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from gossip_pfl.cli import nonempty
 from gossip_pfl.errors import one_line
 from topologies import MixingSchedule, TopologyError
 from topologies.analysis import (
@@ -73,6 +74,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     c.add_argument(
         "--out",
+        type=nonempty,
         default="runs/consensus",
         help="folder for consensus.csv, consensus.json and consensus.png (default %(default)s)",
     )
@@ -130,6 +132,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     e.add_argument(
         "-o",
         "--output",
+        type=nonempty,
         required=True,
         metavar="OUT.npz",
         help="the file to write (a folder: SPEC's name .npz in it)",

@@ -223,13 +223,26 @@ def test_keys_the_run_reads_are_taken(tmp_path):
 
 
 def test_an_empty_out_is_refused_not_replaced_by_the_configs(capsys):
+    """An empty path (a script's unset $RUN_DIR) is refused where a path is read: `run
+    --resume ''` trained the demo from scratch, `merge ''` merged the current folder, `plot
+    --out ''` and `consensus --out ''` wrote elsewhere than asked."""
     cfg = str(ROOT / "configs/synthetic/p2p_small.yaml")
-    for command in ("run", "peers-local"):
+    spec = str(ROOT / "configs/topologies/ring16.yaml")
+    for argv, name in [(["run", cfg, "--out", ""], "--out"),
+                       (["peers-local", cfg, "--out", ""], "--out"),
+                       (["run", "--resume", ""], "--resume"),
+                       (["peers-local", "--resume", ""], "--resume"),
+                       (["merge", ""], "run_dir"),
+                       (["plot", ""], "RUN_DIR"),
+                       (["plot", "runs/x", "--out", ""], "--out"),
+                       (["consensus", spec, "--out", ""], "--out"),
+                       (["topology", "export", spec, "--rounds", "2", "-o", ""],
+                        "-o/--output")]:  # fmt: skip
         with pytest.raises(SystemExit) as stop:  # (argparse's exit)
-            main([command, cfg, "--out", ""])
+            main(argv)
         err = capsys.readouterr().err.strip()
         assert stop.value.code == 2 and len(err.splitlines()) == 1, err
-        assert "argument --out: an empty path" in err
+        assert f"argument {name}: an empty path" in err, err
 
 
 @pytest.mark.parametrize(
