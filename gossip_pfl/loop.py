@@ -192,7 +192,34 @@ class RoundLoop:
         return fields
 
     # ---- the loop -------------------------------------------------------------------------
+    def hold_folder(self, create: bool = True) -> None:
+        """Hold the run folder (:class:`rundir.RunLock`) where this process writes it (rank 0,
+        or every peer process its own): a second run there is refused until this one ends.
+        ``create``: make the folder first (a fresh run; a resume's is there, or it fails on its
+        own)."""
+        if self.comm.rank == 0 or not self.comm.collectives:
+            out = Path(self.cfg.out)
+            if create:
+                rundir.write(out, lambda p: p.mkdir(parents=True, exist_ok=True))
+            elif not out.is_dir():
+                return
+            if "folder_lock" not in self.__dict__:
+                self.folder_lock = rundir.RunLock(out)
+            self.folder_lock.acquire()
+
+    def release_folder(self) -> None:
+        lock = self.__dict__.get("folder_lock")
+        if lock is not None:
+            lock.release()
+
     def run(self, resume: bool = False) -> dict:
+        self.hold_folder(create=not resume)
+        try:
+            return self._run(resume)
+        finally:
+            self.release_folder()
+
+    def _run(self, resume: bool) -> dict:
         cfg = self.cfg
         out = Path(cfg.out)
         # peer to peer (no collectives): every process writes its own run folder

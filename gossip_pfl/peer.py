@@ -48,12 +48,14 @@ class PeerTrainer(Trainer):
         # exchanges: merge counted both); only now, once the run is built
         try:
             if not resume:  # a fresh start needs every process
+                self.hold_folder()  # (before its files are opened)
                 self.links = open(Path(self.cfg.out) / "links.jsonl", "w", buffering=1)  # noqa: SIM115
                 self.comm.join(0, need_all=True)
             return super().run(resume)  # (a resume opens the file in restore)
         finally:
             if self.links is not None:
                 self.links.close()
+            self.release_folder()
 
     def checkpoint(self, out: Path, rounds_done: int, rows: list) -> None:
         """RUN_DIR/checkpoint.pt, and at multiples of ``checkpoint_every`` a link to it in

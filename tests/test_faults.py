@@ -303,6 +303,29 @@ def test_private_models_that_diverge_stop_the_run(tmp_path, capsys):
     assert "NaN" not in (tmp_path / "o" / "metrics.jsonl").read_text()
 
 
+def test_a_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
+    """A resume (or a fresh run with --overwrite) while the run still goes in its folder (a
+    SLURM requeue): both wrote the same files, rows twice and out of order, exit 0. The
+    running one's hold is a lock on RUN_DIR/.lock, released when it ends."""
+    import os
+
+    from gossip_pfl.rundir import RunLock
+
+    out = tmp_path / "o"
+    args = ["run", str(write_cfg(tmp_path)), "--out", str(out), "--quiet", "--no-plots"]
+    assert main(args) == 0
+    running = RunLock(out).acquire()  # (as the other process would hold it)
+    try:
+        one_line_error(capsys, ["run", "--resume", str(out), "--set", "rounds=5", "--quiet"],
+                       f"out: {out} is in use by another run (process {os.getpid()})")  # fmt: skip
+        one_line_error(capsys, [*args, "--overwrite"], f"out: {out} is in use by another run")
+    finally:
+        running.release()
+    assert main(["run", "--resume", str(out), "--set", "rounds=5", "--quiet", "--no-plots"]) == 0
+    rounds = [json.loads(r)["round"] for r in (out / "metrics.jsonl").read_text().splitlines()]
+    assert rounds == [1, 2, 3, 4, 5]
+
+
 # ---- signals ----------------------------------------------------------------------------------
 def test_sigterm_checkpoints_and_the_resumed_run_equals_the_uninterrupted(tmp_path, capsys):
     """SIGTERM in the middle: the run finishes its round, writes a checkpoint, says how to
