@@ -272,7 +272,12 @@ class RoundLoop:
                     self.settle()
                     clock.settle(self.times)
                     self.times["wall"] = time.perf_counter() - start
-                    self.checkpoint(out, t + 1, rows)
+                    try:
+                        self.checkpoint(out, t + 1, rows)
+                    except GossipError as err:  # (rank 0's write: the others hear of it)
+                        self._agreed(0, err)
+                        raise
+                    self._agreed(0)  # (every rank saves at the same rounds: one all-reduce)
                 if stop and not last:
                     progress.close()
                     raise rundir.RunStopped(stop, t + 1, out)

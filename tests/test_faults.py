@@ -404,16 +404,22 @@ def test_graph_file_named_inline_is_read_from_the_configs_folder(tmp_path, monke
     assert trainer.schedule.n == 8
 
 
-def _run_with_full_disk(cfg):
-    """On rank 0, appending to metrics.jsonl fails as on a full disk."""
+def _run_with_full_disk(cfg, what: str = "metrics"):
+    """On rank 0, appending to metrics.jsonl (or writing the checkpoint) fails as on a full
+    disk."""
+    import os
+
     import torch.distributed as dist
 
     from gossip_pfl import rundir
 
-    def full(path, row):
+    def full(*args, **kw):
         raise OSError(28, "No space left on device")
 
-    rundir.append_row = full
+    if what == "metrics":
+        rundir.append_row = full
+    elif int(os.environ["RANK"]) == 0:
+        os.fsync = full  # (checkpoint.save's, before its rename)
     try:
         Trainer(cfg, dataset=toy_dataset(8), log=quiet).run()
     except GossipError as err:
@@ -424,16 +430,18 @@ def _run_with_full_disk(cfg):
     return "no error"
 
 
-def test_a_failed_write_is_a_one_line_error_on_every_rank(tmp_path):
-    """Rank 0 cannot append to metrics.jsonl: every rank stops after that round with its own
-    one-line error (the others are told it was rank 0's write, not a lost peer)."""
+@pytest.mark.parametrize("what", ["metrics", "checkpoint"])
+def test_a_failed_write_is_a_one_line_error_on_every_rank(tmp_path, what):
+    """Rank 0 cannot append to metrics.jsonl, or write its checkpoint: every rank stops after
+    that round with its own one-line error (the others are told it was rank 0's write, not a
+    lost peer: after a checkpoint they were)."""
     from _helpers import run_ranks
 
     base = {"seed": 1, "rounds": 3, "algorithm": {"name": "fedavg", "batch_size": 16},
             "eval": {"every": 1}, "runtime": {"device": "cpu", "timeout_s": 30},
-            "out": str(tmp_path / "out")}  # fmt: skip
+            "checkpoint_every": 1, "out": str(tmp_path / "out")}  # fmt: skip
     cfg = load_config(base=base)
-    results = run_ranks(2, _run_with_full_disk, cfg)
+    results = run_ranks(2, _run_with_full_disk, cfg, what)
     msgs = [value for status, value in results]
     assert all(status == "ok" for status, _ in results), results
     assert "could not write" in msgs[0] and "No space left" in msgs[0], msgs
