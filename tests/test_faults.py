@@ -113,6 +113,8 @@ def test_output_folder_that_is_a_file(tmp_path, capsys):
     # --resume continues in its own folder: --out went unheeded
     one_line_error(capsys, ["run", "--resume", str(tmp_path), "--out", str(tmp_path / "r")],
                    "continues the run in its own folder; drop --out")  # fmt: skip
+    one_line_error(capsys, ["run", "--resume", str(tmp_path), "--set", "out=elsewhere"],
+                   "continues the run in its own folder; drop --set out=elsewhere")  # fmt: skip
 
 
 def test_another_runs_folder_is_kept_unless_overwrite(tmp_path, capsys):
