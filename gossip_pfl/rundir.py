@@ -165,55 +165,43 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
             )
 
 
-#: the file a running run holds locked in its folder (RunLock)
-LOCK_FILE = ".lock"
-
-
 class RunLock:
     """This process's hold on a run folder while it runs: a second run in the same folder (a
     resume while the run still goes, a SLURM requeue) is refused with one line, where both
-    wrote the same files (rows twice and out of order, exit 0). An advisory ``flock`` on
-    RUN_DIR/.lock, released when the run ends or its process dies (so never stale); where
-    the OS or file system has no locks, nothing is held."""
+    wrote the same files (rows twice and out of order, exit 0). An advisory ``flock`` on the
+    folder itself (no file left behind), released when the run ends or its process dies (so
+    never stale); where the OS or file system has no such locks, nothing is held."""
 
     def __init__(self, out: Path):
-        self.out, self.file = Path(out), None
+        self.out, self.fd = Path(out), None
 
     def acquire(self) -> RunLock:
-        if self.file is not None:
+        if self.fd is not None:
             return self
         try:
             import fcntl
         except ImportError:  # (Windows: no flock)
             return self
-        path = self.out / LOCK_FILE
         try:
-            fh = open(path, "a+")  # noqa: SIM115 - held for the run
+            fd = os.open(self.out, os.O_RDONLY)
         except OSError:
-            return self  # (an unwritable folder: the run's own writes say so)
+            return self  # (not a folder one can open: the run's own writes say what is wrong)
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            fh.seek(0)
-            pid = fh.read().strip()
-            fh.close()
-            who = f" (process {pid})" if pid.isdigit() else ""
-            raise GossipError(f"out: {self.out} is in use by another run{who}; wait for it to "
-                              "end or stop it, or choose another --out") from None  # fmt: skip
+            os.close(fd)
+            raise GossipError(f"out: {self.out} is in use by another run; wait for it to end "
+                              "or stop it, or choose another --out") from None  # fmt: skip
         except OSError:  # no locks on this file system
-            fh.close()
+            os.close(fd)
             return self
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"{os.getpid()}\n")
-        fh.flush()
-        self.file = fh
+        self.fd = fd
         return self
 
     def release(self) -> None:
-        if self.file is not None:
-            self.file.close()  # (closing releases the lock)
-            self.file = None
+        if self.fd is not None:
+            os.close(self.fd)  # (closing releases the lock)
+            self.fd = None
 
 
 #: every figure a run writes into RUN_DIR/plots (plots.py, expfam/run.py)

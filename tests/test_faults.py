@@ -308,9 +308,7 @@ def test_private_models_that_diverge_stop_the_run(tmp_path, capsys):
 def test_a_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
     """A resume (or a fresh run with --overwrite) while the run still goes in its folder (a
     SLURM requeue): both wrote the same files, rows twice and out of order, exit 0. The
-    running one's hold is a lock on RUN_DIR/.lock, released when it ends."""
-    import os
-
+    running one's hold is a lock on the folder, released when it ends."""
     from gossip_pfl.rundir import RunLock
 
     out = tmp_path / "o"
@@ -319,7 +317,7 @@ def test_a_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
     running = RunLock(out).acquire()  # (as the other process would hold it)
     try:
         one_line_error(capsys, ["run", "--resume", str(out), "--set", "rounds=5", "--quiet"],
-                       f"out: {out} is in use by another run (process {os.getpid()})")  # fmt: skip
+                       f"out: {out} is in use by another run; wait for it")  # fmt: skip
         one_line_error(capsys, [*args, "--overwrite"], f"out: {out} is in use by another run")
     finally:
         running.release()
