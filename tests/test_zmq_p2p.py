@@ -279,14 +279,46 @@ def test_a_latecomer_resumes_at_the_round_the_others_agreed_on():
     comm = zc.ZmqComm(0, _ports(3), "cpu", 10, p2p=True, link_timeout_s=2)
     try:
         comm._said = {1: (zc.AGREED, (4,)), 2: (zc.RESUMING, (2, 4, 5))}
-        assert comm._resume_round((2, 4, 5), [1, 2]) == 4
-        assert comm._resume_round((2, 5), [1, 2]) is None  # it lacks round 4
+        assert comm._resume_round((2, 4, 5), [1, 2], [1, 2]) == 4
+        assert comm._resume_round((2, 5), [1, 2], [1, 2]) is None  # it lacks round 4
+        assert comm._resume_round((2, 4, 5), [1], [1, 2]) is None  # 2 not heard in time
         comm._said[2] = (zc.AGREED, (6,))  # two rounds agreed: no agreement
-        assert comm._resume_round((2, 4, 6), [1, 2]) is None
+        assert comm._resume_round((2, 4, 6), [1, 2], [1, 2]) is None
         comm._said[2] = (0, ())  # one running: the rejoin
-        assert comm._resume_round((2, 4, 5), [1, 2]) is None
+        assert comm._resume_round((2, 4, 5), [1, 2], [1, 2]) is None
+        # while joining, rows of rounds before a running peer's are dropped as they come (a
+        # restart kept them all); a resuming peer's round is its checkpoint's: no such bound
+        comm._heard = {1: 9, 2: 7}
+        assert comm._running_round() == 7
+        comm._said[2] = (zc.RESUMING, (2, 4, 7))
+        assert comm._running_round() == -1
     finally:
         comm.close()
+
+
+@pytest.mark.parametrize(
+    ("delays", "expected"), [((0, 0, 0.1, 0.2), 4), ((0, 0, 0.5, 1.2), 6), ((0, 0, 0.5, 1.6), 6)]
+)
+def test_processes_resuming_at_different_times_start_at_one_round(delays, expected):
+    """Four processes resuming from rounds 6, 6, 6 and 4, joining at the times given (link
+    timeout 1 s). Started together they agree on round 4; with the last one more than a link
+    timeout late, the first two started at 6 while the others went back to 4 (each decided
+    alone, on the processes it had heard): now those that decide without hearing everyone
+    fall back to the rejoin and say so at once, and the others follow them to round 6."""
+    n, peers = 4, _ports(4)
+    holds = [(4, 6), (4, 6), (4, 6), (4,)]
+    comms = [zc.ZmqComm(k, peers, "cpu", 10, p2p=True, link_timeout_s=1) for k in range(n)]
+
+    def worker(comm, out, k):
+        time.sleep(delays[k])
+        out[k] = comm.join(holds[k][-1], need_all=False, holds=holds[k])
+
+    try:
+        out = _threads(n, worker, *[(c,) for c in comms])
+    finally:
+        for c in comms:
+            c.close()
+    assert [out.get(k) for k in range(n)] == [expected] * n
 
 
 def test_a_dead_peer_loses_only_its_own_links():

@@ -93,6 +93,8 @@ log = logging.getLogger(__name__)
 EXCHANGE, REDUCE, ACK, HELLO, ALIVE = 0, 1, 2, 3, 4
 #: seconds between a joining process's announcements (hellos)
 HELLO_EVERY_S = 0.25
+#: once every process has answered, how long join goes on reading what is already queued
+DRAIN_S = 0.05
 #: a hello's phase field: bit 0, the sender wants a reply; bit 1, it is resuming and its dims
 #: are the rounds it holds checkpoints of; bit 2, it resumed at the round its one dim names,
 #: the latest that the processes resuming with it all held
@@ -721,20 +723,28 @@ class ZmqComm:
         finally:
             self._holds = ()
         heard = [r for r in others if r in self._heard]
-        self.agreed_round = self._resume_round(holds, heard)
+        self.agreed_round = self._resume_round(holds, heard, others)
         start = self.agreed_round
         if start is None:  # rejoin the running peers (or start afresh)
             start = max([first_round, *(self._heard[r] for r in heard)])
         self.set_tag(start, 0)  # queued messages of the rounds skipped are dropped as stale
+        if holds:  # the outcome to everyone at once (the round agreed, or running): one still
+            for r in others:  # joining must not go on reading this one's "resuming" hello
+                self._hello_to(r, start, reply=False)
         return start
 
-    def _resume_round(self, holds: tuple[int, ...], heard: list[int]) -> int | None:
-        """The round to resume at if this process and every one it heard are resuming
-        together: the latest round all of them hold a checkpoint of (or that those already
-        resumed agreed on); None otherwise (one is running, or they hold no round in
-        common: they stopped too far apart, and the rejoin skips rounds instead)."""
+    def _resume_round(
+        self, holds: tuple[int, ...], heard: list[int], others: list[int]
+    ) -> int | None:
+        """The round to resume at if every process is resuming with this one (all heard):
+        the latest round all of them hold a checkpoint of (or that those already resumed
+        agreed on: computed from the same rounds, it is the same); None otherwise (one is
+        running or was not heard in time, or they hold no round in common: they stopped too
+        far apart), and the rejoin skips rounds instead. Each decides alone, so those that
+        heard everyone agree, and one that did not falls back and says so at once (join's
+        last hellos), which makes those still joining fall back too."""
         said = [self._said.get(r, (0, ())) for r in heard]
-        if not holds or not heard or not all(flags for flags, _ in said):
+        if not holds or len(heard) < len(others) or not all(flags for flags, _ in said):
             return None
         common = set(holds)
         for flags, dims in said:
@@ -746,13 +756,21 @@ class ZmqComm:
         target = agreed.pop() if agreed else max(common, default=None)
         return target if target in common else None
 
+    def _running_round(self) -> int:
+        """The latest round a running peer named (-1: none): a joining process starts there
+        or later, so messages of earlier rounds are of no use (a restart kept every row its
+        neighbours sent while it joined); a resuming peer's round is its checkpoint's, and
+        the start may be earlier."""
+        running = [self._heard[r] for r, (flags, _) in self._said.items() if not flags]
+        return max(running, default=-1)
+
     def _await_hellos(
         self, first_round: int, need_all: bool, wait_round: int, others: list[int]
     ) -> None:
         """join's waiting: until every other process has answered (or, a restart, one has
         and the others had a link timeout more), announcing this one every HELLO_EVERY_S."""
         deadline = time.monotonic() + self.timeout_s
-        first_heard, announced = None, -math.inf
+        first_heard, announced, drained = None, -math.inf, 0.0
         # a few header-only messages: often enough that a restart waiting for round
         # ``wait_round`` hears of it while the others are there (they may pass many rounds in
         # one link timeout)
@@ -766,7 +784,11 @@ class ZmqComm:
             missing = [r for r in others if r not in self._heard]
             latest = max(self._heard.values(), default=-1)
             if not missing and latest >= wait_round:
-                break
+                # what is already here first: a late process found the others' "resuming"
+                # hellos queued before the outcome they sent when they decided
+                drained = drained or now + DRAIN_S
+                if now >= drained or not self._pull.poll(0):
+                    break
             if not need_all and first_heard is not None and latest >= wait_round:
                 deadline = min(deadline, first_heard + self.link_timeout_s)
             if now >= deadline:
@@ -811,7 +833,7 @@ class ZmqComm:
                     self._hello_to(msg.sender, first_round, reply=True)
             elif mkey[2] == ALIVE:  # a running peer waiting on another: nothing for us
                 self._drain(True)
-            elif mkey[:2] < self.tag or (not self._holds and mkey[0] < latest):
+            elif mkey[:2] < self.tag or mkey[0] < self._running_round():
                 self._drop("stale", mkey, msg, "that operation is over")
             else:
                 self._queue_early(mkey, msg)
