@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,11 +39,13 @@ from gossip_pfl.metrics import score_entries
 from gossip_pfl.rundir import (
     CHECKPOINT_FILE,
     REJOINS,
+    RunLock,
     check_out_dir,
     clear_outputs,
     is_peer_run,
     read_rows,
     rewrite_rows,
+    write,
     write_text,
 )
 
@@ -248,27 +251,28 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
             f"out: {run_dir} holds another peer-to-peer run; choose another --out or "
             "replace it with --overwrite"
         )
-    if args.overwrite and run_dir.is_dir():
-        shutil.rmtree(run_dir / "peers", ignore_errors=True)
-        # and the old run's merged files, logs (appended to), checkpoint and figures: a new
-        # run that fails must not leave them beside its own processes' outputs
-        shutil.rmtree(run_dir / "logs", ignore_errors=True)
-        for name in ("metrics.jsonl", "config.yaml"):  # (a gossip-pfl run's config named it)
-            (run_dir / name).unlink(missing_ok=True)
-        clear_outputs(run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    peers = run_dir / "peers.yaml"
-    peers.write_text("".join(f"{k}: 127.0.0.1:{p}\n" for k, p in enumerate(free_ports(args.n))))
-    base = ["peer", args.config, "--peers", str(peers), "--out", str(run_dir), "--quiet"]
-    for o in args.overrides:
-        base += ["--set", o]
-    # each process's command to continue it, there from the start (a process killed outright
-    # prints none)
-    resume = "".join(f"gossip-pfl {shlex.join([*base, '--id', str(k), '--resume'])}\n"
-                     for k in range(args.n))  # fmt: skip
-    write_text(run_dir / "logs" / RESUME_COMMANDS, resume)
-    restarts = {k["id"]: k["restart"] for k in cfg.runtime.faults.kill if "restart" in k}
-    return _launch(run_dir, [[*base, "--id", str(k)] for k in range(args.n)], restarts)
+    with _holding(run_dir):  # (a run still going there: refused before anything is touched)
+        if args.overwrite and run_dir.is_dir():
+            shutil.rmtree(run_dir / "peers", ignore_errors=True)
+            # and the old run's merged files, logs (appended to), checkpoint and figures: a new
+            # run that fails must not leave them beside its own processes' outputs
+            shutil.rmtree(run_dir / "logs", ignore_errors=True)
+            for name in ("metrics.jsonl", "config.yaml"):  # (a gossip-pfl run's config named it)
+                (run_dir / name).unlink(missing_ok=True)
+            clear_outputs(run_dir)
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        peers = run_dir / "peers.yaml"
+        peers.write_text("".join(f"{k}: 127.0.0.1:{p}\n" for k, p in enumerate(free_ports(args.n))))
+        base = ["peer", args.config, "--peers", str(peers), "--out", str(run_dir), "--quiet"]
+        for o in args.overrides:
+            base += ["--set", o]
+        # each process's command to continue it, there from the start (a process killed outright
+        # prints none)
+        resume = "".join(f"gossip-pfl {shlex.join([*base, '--id', str(k), '--resume'])}\n"
+                         for k in range(args.n))  # fmt: skip
+        write_text(run_dir / "logs" / RESUME_COMMANDS, resume)
+        restarts = {k["id"]: k["restart"] for k in cfg.runtime.faults.kill if "restart" in k}
+        return _launch(run_dir, [[*base, "--id", str(k)] for k in range(args.n)], restarts)
 
 
 def _resume_local(args: argparse.Namespace) -> int:
@@ -284,18 +288,39 @@ def _resume_local(args: argparse.Namespace) -> int:
     if not is_peer_run(run_dir):
         raise GossipError(f"--resume {run_dir}: not a peers-local run's folder (it has no "
                           "peers.yaml and peers/)")  # fmt: skip
-    n = len(read_yaml(run_dir / "peers.yaml"))
-    configs = [run_dir / "peers" / str(k) / "config.yaml" for k in range(n)]
+    peers = run_dir / "peers.yaml"
+    table = read_yaml(peers)
+    if not isinstance(table, dict) or not table:
+        raise GossipError(f"--resume {run_dir}: {peers} names no processes")
+    configs = [run_dir / "peers" / str(k) / "config.yaml" for k in range(len(table))]
     for k, config in enumerate(configs):
         if not config.is_file():
             raise GossipError(f"--resume {run_dir}: process {k} never started (no {config}); "
                               "start the run again")  # fmt: skip
     extra = [x for o in args.overrides for x in ("--set", o)]
-    peers = run_dir / "peers.yaml"  # the old ports may be taken now: all restart on new ones
-    write_text(peers, "".join(f"{k}: 127.0.0.1:{p}\n" for k, p in enumerate(free_ports(n))))
     argvs = [["peer", str(config), "--peers", str(peers), "--out", str(run_dir), "--quiet",
               "--id", str(k), "--resume", *extra] for k, config in enumerate(configs)]  # fmt: skip
-    return _launch(run_dir, argvs, {})
+    with _holding(run_dir):  # (its launcher still going: refused before anything is touched)
+        # the old ports may be taken now: all restart on new ones; and the commands that
+        # continue each process, as they now are (the folder may have moved)
+        ports = free_ports(len(configs))
+        write_text(peers, "".join(f"{k}: 127.0.0.1:{p}\n" for k, p in enumerate(ports)))
+        write_text(run_dir / "logs" / RESUME_COMMANDS,
+                   "".join(f"gossip-pfl {shlex.join(a)}\n" for a in argvs))  # fmt: skip
+        return _launch(run_dir, argvs, {})
+
+
+@contextmanager
+def _holding(run_dir: Path):
+    """The launcher holds RUN_DIR while its processes run and it merges (rundir.RunLock):
+    another launcher, or a run written over it, is refused (each deleted the processes'
+    folders under them)."""
+    write(run_dir / "logs", lambda p: p.mkdir(parents=True, exist_ok=True))
+    lock = RunLock(run_dir).acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _launch(run_dir: Path, argvs: list[list[str]], restarts: dict[int, int]) -> int:

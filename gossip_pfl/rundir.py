@@ -165,43 +165,62 @@ def check_out_dir(out: Path, resume: bool, overwrite: bool) -> None:
             )
 
 
+#: the file a running run holds locked in its folder (RunLock; removed when it ends)
+LOCK_FILE = ".lock"
+
+
 class RunLock:
     """This process's hold on a run folder while it runs: a second run in the same folder (a
     resume while the run still goes, a SLURM requeue) is refused with one line, where both
-    wrote the same files (rows twice and out of order, exit 0). An advisory ``flock`` on the
-    folder itself (no file left behind), released when the run ends or its process dies (so
-    never stale); where the OS or file system has no such locks, nothing is held."""
+    wrote the same files (rows twice and out of order, exit 0). An advisory ``flock`` on
+    RUN_DIR/.lock opened for writing (so that NFS makes it a lock on the server, seen from
+    every node; a lock on the folder itself stays on one node), released when the run ends or
+    its process dies (never stale); the file goes at the end (one a killed run leaves is
+    taken over). Where the OS or file system has no such locks, nothing is held."""
 
     def __init__(self, out: Path):
-        self.out, self.fd = Path(out), None
+        self.out, self.file = Path(out), None
 
     def acquire(self) -> RunLock:
-        if self.fd is not None:
+        if self.file is not None:
             return self
         try:
             import fcntl
         except ImportError:  # (Windows: no flock)
             return self
         try:
-            fd = os.open(self.out, os.O_RDONLY)
+            fh = open(self.out / LOCK_FILE, "a+")  # noqa: SIM115 - held while the run goes
         except OSError:
-            return self  # (not a folder one can open: the run's own writes say what is wrong)
+            return self  # (the run's own writes say what is wrong with the folder)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            os.close(fd)
-            raise GossipError(f"out: {self.out} is in use by another run; wait for it to end "
-                              "or stop it, or choose another --out") from None  # fmt: skip
+            fh.seek(0)
+            pid = fh.read().strip()
+            fh.close()
+            who = f" (process {pid})" if pid.isdigit() else ""
+            raise GossipError(f"out: {self.out} is in use by another run{who}; wait for it to "
+                              "end or stop it, or choose another --out") from None  # fmt: skip
         except OSError:  # no locks on this file system
-            os.close(fd)
+            fh.close()
             return self
-        self.fd = fd
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+        self.file = fh
         return self
 
     def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # (closing releases the lock)
-            self.fd = None
+        if self.file is not None:
+            # removed while still held: one that opens it after this makes a new file, and
+            # this run is over by then
+            try:
+                (self.out / LOCK_FILE).unlink(missing_ok=True)
+            except OSError:
+                pass
+            self.file.close()  # (closing releases the lock)
+            self.file = None
 
 
 #: every figure a run writes into RUN_DIR/plots (plots.py, expfam/run.py)

@@ -308,7 +308,10 @@ def test_private_models_that_diverge_stop_the_run(tmp_path, capsys):
 def test_a_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
     """A resume (or a fresh run with --overwrite) while the run still goes in its folder (a
     SLURM requeue): both wrote the same files, rows twice and out of order, exit 0. The
-    running one's hold is a lock on the folder, released when it ends."""
+    running one's hold is a lock on RUN_DIR/.lock, released (and the file removed) when it
+    ends."""
+    import os
+
     from gossip_pfl.rundir import RunLock
 
     out = tmp_path / "o"
@@ -317,13 +320,14 @@ def test_a_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
     running = RunLock(out).acquire()  # (as the other process would hold it)
     try:
         one_line_error(capsys, ["run", "--resume", str(out), "--set", "rounds=5", "--quiet"],
-                       f"out: {out} is in use by another run; wait for it")  # fmt: skip
+                       f"out: {out} is in use by another run (process {os.getpid()})")  # fmt: skip
         one_line_error(capsys, [*args, "--overwrite"], f"out: {out} is in use by another run")
     finally:
         running.release()
     assert main(["run", "--resume", str(out), "--set", "rounds=5", "--quiet", "--no-plots"]) == 0
     rounds = [json.loads(r)["round"] for r in (out / "metrics.jsonl").read_text().splitlines()]
     assert rounds == [1, 2, 3, 4, 5]
+    assert not (out / ".lock").exists()
 
 
 # ---- signals ----------------------------------------------------------------------------------
