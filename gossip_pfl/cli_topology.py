@@ -391,7 +391,6 @@ def _write_consensus(out: Path, rows: list[dict], curves: list, args) -> dict[st
             for t in range(args.rounds + 1):
                 w.writerow([t] + [f"{c.errors[t]:.6e}" for c in curves])
 
-    _write_at_once(files["csv"], write_csv)
     doc = {
         "rounds": args.rounds,
         "seed": args.seed,
@@ -402,23 +401,22 @@ def _write_consensus(out: Path, rows: list[dict], curves: list, args) -> dict[st
             for r, c in zip(rows, curves)
         ],
     }
-    _write_at_once(files["json"], lambda path: path.write_text(json.dumps(doc, indent=1)))
-    _write_at_once(files["png"], lambda path: _plot(path, rows, curves))
+    _write_at_once({files["csv"]: write_csv,
+                    files["json"]: lambda path: path.write_text(json.dumps(doc, indent=1)),
+                    files["png"]: lambda path: _plot(path, rows, curves)})  # fmt: skip
     return files
 
 
-def _write_at_once(path: str | Path, save) -> None:
-    """``save(tmp)`` beside ``path`` (same suffix: numpy and matplotlib read it), then the
-    file at once: a full disk leaves the old file or none, never a cut one, and one line."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.stem}.tmp{path.suffix}")
+def _write_at_once(saves: dict) -> None:
+    """``{path: save}`` written beside, then all put in place (rundir.replace_all): a full
+    disk leaves the old files whole, none cut, and one line naming the file."""
+    from gossip_pfl.rundir import replace_all
+
     try:
-        save(tmp)
-        os.replace(tmp, path)
+        replace_all(saves)
     except OSError as err:
-        raise TopologyError(f"cannot write {path}: {one_line(err)}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
+        why = err.strerror or one_line(err)
+        raise TopologyError(f"cannot write {err.filename}: {why}") from None
 
 
 def _plot(path: str | Path, rows: list[dict], curves: list) -> None:
@@ -497,6 +495,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise TopologyError(f"cannot write {out}: {one_line(err)}") from None
-    _write_at_once(out, lambda path: save_npz(schedule, path, rounds=args.rounds))
+    _write_at_once({out: lambda path: save_npz(schedule, path, rounds=args.rounds)})
     print(f"wrote {out}: W with shape ({args.rounds}, {schedule.n}, {schedule.n})")
     return 0

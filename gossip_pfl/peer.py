@@ -175,10 +175,11 @@ def _kept_rounds(out: Path) -> list[int]:
 def _link(source: Path, path: Path) -> None:
     """``path`` made, at once, the same file as ``source`` (a hard link; a copy where the file
     system has none)."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(source, tmp)
-    except OSError:
-        shutil.copyfile(source, tmp)
-    os.replace(tmp, path)
+
+    def link(tmp: Path) -> None:
+        try:
+            os.link(source, tmp)
+        except OSError:
+            shutil.copyfile(source, tmp)
+
+    rundir.replace_with(path, link)

@@ -109,12 +109,28 @@ def replace_with(path: Path, save) -> None:
     """``save(tmp)`` writes the new file beside ``path``, then it replaces ``path`` at once: a
     run killed while writing leaves the old file or the new one, never a cut one (a cut
     summary.json blocked the run's resume, merge and plot; a cut config.yaml its resume)."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    replace_all({path: save})
+
+
+def replace_all(saves: dict) -> None:
+    """:func:`replace_with` for files that go together (``{path: save}``): every new file is
+    written beside its old one first, and only then are they all put in place, so a failure
+    (a full disk) leaves the old set whole. The temporary name keeps the suffix (numpy and
+    matplotlib choose a format by it). An OSError names the file it was writing."""
+    tmps = {Path(path): Path(path).with_name(f".{Path(path).stem}.tmp{Path(path).suffix}")
+            for path in saves}  # fmt: skip
     try:
-        save(tmp)
-        os.replace(tmp, path)
+        for (path, save), tmp in zip(saves.items(), tmps.values()):
+            try:
+                save(tmp)
+            except OSError as err:
+                err.filename = err.filename or str(path)
+                raise
+        for path, tmp in tmps.items():
+            os.replace(tmp, path)
     finally:
-        tmp.unlink(missing_ok=True)
+        for tmp in tmps.values():
+            tmp.unlink(missing_ok=True)
 
 
 def write_text(path: Path, text: str) -> None:

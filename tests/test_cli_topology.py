@@ -440,9 +440,11 @@ def test_a_full_disk_leaves_no_cut_figure(tmp_path, capsys, fake_load, monkeypat
     capsys.readouterr()
     before = (out / "consensus.png").read_bytes()
     monkeypatch.setattr(cli_topology, "_plot", _cut_write(cli_topology._plot))
-    assert main(args) == 2
+    assert main([*args[:3], "30", *args[4:]]) == 2
     assert f"cannot write {out / 'consensus.png'}: " in one_error_line(capsys)
     assert (out / "consensus.png").read_bytes() == before
+    # and the set stays one run's: the new table and curves wait for the figure
+    assert json.loads((out / "consensus.json").read_text())["rounds"] == 20
     assert sorted(p.name for p in out.iterdir()) == ["consensus.csv", "consensus.json",
                                                      "consensus.png"]  # fmt: skip
 
