@@ -1230,10 +1230,9 @@ class Trainer(RoundLoop):
         multi = self.comm.world_size > 1 and self.collectives
         queue = self.device.type in QUEUE_CHECK_ON and (self.comm.world_size == 1 or multi)
         if not queue and not multi and flat.numel():
-            for part in parts:
-                if not _all_finite(part):
-                    bad = (~torch.isfinite(part)).any(-1)
-                    self._raise_not_finite(t, int(bad.nonzero()[0, 0]) + 1, 1)
+            if not all(_all_finite(part) for part in parts):  # (the first bad peer in any
+                bad = sum((~torch.isfinite(part)).any(-1) for part in parts)  # part: as queued)
+                self._raise_not_finite(t, int(bad.nonzero()[0, 0]) + 1, 1)
             return
         if multi:  # (first bad peer here + 1 or 0, the same summed over the ranks), on the device
             flag = torch.zeros(2, dtype=torch.float64, device=self.device)

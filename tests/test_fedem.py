@@ -426,6 +426,11 @@ def test_finite_check_reads_the_peers_private_state(queued, monkeypatch, tmp_pat
     with pytest.raises(GossipError, match=r"round 3: .*\(first: peer 6 on rank 0\)"):
         tr._check_finite(2, theta)
         tr.settle()
+    theta[7, 0, 0] = float("inf")  # the first bad peer over every part, at once or queued
+    tr.personal["pi"][2, 0] = float("nan")
+    with pytest.raises(GossipError, match=r"round 3: .*\(first: peer 2 on rank 0\)"):
+        tr._check_finite(2, theta)
+        tr.settle()
 
 
 @pytest.mark.parametrize("queued", [False, True])
