@@ -84,7 +84,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("peers-local", help="start N peer processes on 127.0.0.1, then merge",
                        description="Start N processes of a peer-to-peer run on loopback (logs "
                        "in RUN_DIR/logs/), restart those the kill schedule crashes, and merge "
-                       "their outputs.")  # fmt: skip
+                       "their outputs; or, with --resume RUN_DIR, continue a stopped "
+                       "one.")  # fmt: skip
     common(p, config_nargs="?")
     p.add_argument("-n", type=int, help="number of processes")
     p.add_argument("--resume", metavar="RUN_DIR", type=nonempty,

@@ -64,7 +64,12 @@ def cmd_run(args: argparse.Namespace) -> int:
         if args.out and Path(args.out).resolve() != Path(args.resume).resolve():
             raise GossipError(f"--resume {args.resume} continues the run in its own folder; "
                               f"drop --out {args.out}")  # fmt: skip
-        moved = [o for o in args.overrides if o.split("=", 1)[0].strip() == "out"]
+        moved = [
+            o
+            for o in args.overrides
+            if o.split("=", 1)[0].strip() == "out"
+            and Path(o.split("=", 1)[-1].strip()).resolve() != Path(args.resume).resolve()
+        ]
         if moved:  # (it was dropped, unsaid: the resume wrote into RUN_DIR)
             raise GossipError(f"--resume {args.resume} continues the run in its own folder; "
                               f"drop --set {moved[0]}")  # fmt: skip

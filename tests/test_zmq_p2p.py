@@ -112,7 +112,8 @@ def test_peer_processes_equal_one_process(tmp_path):
     # Processes stopped at different rounds: process 1 after round 4 (killed after its
     # round-4 checkpoint), processes 0 and 2 after round 6. Resumed together to round 8,
     # 0 and 2 go back to round 4, the latest round all three hold (kept/4.pt), and the run
-    # ends as one of 8 rounds does (they started at 6, process 1's peers skipping rounds 5-6)
+    # ends as one of 8 rounds does (before, all started at 6, process 1's peers skipping
+    # rounds 5-6)
     run, one = tmp_path / "stopped", tmp_path / "one8"
     shutil.copy(run / "peers/1/kept/4.pt", run / "peers/1/checkpoint.pt")
     (run / "peers/1/summary.json").unlink()
