@@ -677,6 +677,26 @@ def test_ctrl_c_while_the_figures_are_drawn_says_the_run_is_finished(tmp_path, c
                    f"({out / 'summary.json'}): draw them with gossip-pfl plot {out}"]  # fmt: skip
 
 
+def test_sigterm_while_the_figures_are_drawn_says_the_run_is_finished(tmp_path, capsys,
+                                                                      monkeypatch):  # fmt: skip
+    """SIGTERM there killed the process without a word (exit 143, no figures): it now says
+    as a Ctrl-C does, with SIGTERM's code."""
+    import os
+
+    from gossip_pfl.train import Trainer
+
+    def terminated(run_dir):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # (the handler raises before this ends)
+
+    monkeypatch.setattr(Trainer, "write_plots", staticmethod(terminated))
+    cfg, out = write_cfg(tmp_path), tmp_path / "run"
+    before = signal.getsignal(signal.SIGTERM)
+    assert main(["run", str(cfg), "--out", str(out)]) == 143
+    assert "interrupted while drawing the figures" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGTERM) == before  # (given back)
+
+
 def test_the_command_ends_at_a_second_ctrl_c_while_it_winds_down(monkeypatch):
     """After a stop (its checkpoint saved) the process joins its threads at exit (the next
     batch plan, drawn ahead): a Ctrl-C then printed their traceback. The command's entry
