@@ -147,25 +147,40 @@ def _fsync_dir(folder: Path) -> None:
 
 
 # ---- reading -------------------------------------------------------------------------------
-def load(run_dir: str | Path) -> dict:
-    """Read RUN_DIR/checkpoint.pt, check its header, length and SHA-256 digest, and return the
-    state. Raises a one-line :class:`GossipError` for a missing, unreadable, foreign, altered
-    or truncated file. The structure is not checked here: see :func:`check_structure`."""
-    path = Path(run_dir) / FILE
-    if not path.is_file():
-        raise GossipError(f"--resume {run_dir}: no {FILE} there (the run saved no checkpoint)")
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        raise GossipError(f"{path}: unreadable checkpoint ({_reason(err)})") from None
-    payload = _verified_payload(path, data)
+def load(run_dir: str | Path, name: str = FILE) -> dict:
+    """Read RUN_DIR/checkpoint.pt (or RUN_DIR/``name``), check its header, length and SHA-256
+    digest, and return the state. Raises a one-line :class:`GossipError` for a missing,
+    unreadable, foreign, altered or truncated file. The structure is not checked here: see
+    :func:`check_structure`."""
+    payload = _read_verified(Path(run_dir), name)
     try:
         # weights_only: tensors and plain containers only, so a crafted file (the digest is
         # no signature) cannot run code when it is loaded
         return torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
     except Exception as err:  # noqa: BLE001 - any unreadable payload gets the same message
         first = (str(err).splitlines() or [type(err).__name__])[0]
-        raise GossipError(f"{path}: unreadable checkpoint ({first})") from None
+        raise GossipError(f"{Path(run_dir) / name}: unreadable checkpoint ({first})") from None
+
+
+def verify(run_dir: str | Path, name: str = FILE) -> str | None:
+    """None if RUN_DIR/``name`` is a whole checkpoint (header, length, digest), else why not
+    (one line); nothing is unpickled."""
+    try:
+        _read_verified(Path(run_dir), name)
+    except GossipError as err:
+        return str(err)
+    return None
+
+
+def _read_verified(run_dir: Path, name: str) -> memoryview:
+    path = run_dir / name
+    if not path.is_file():
+        raise GossipError(f"--resume {run_dir}: no {name} there (the run saved no checkpoint)")
+    try:
+        data = path.read_bytes()
+    except OSError as err:
+        raise GossipError(f"{path}: unreadable checkpoint ({_reason(err)})") from None
+    return _verified_payload(path, data)
 
 
 def _verified_payload(path: Path, data: bytes) -> memoryview:

@@ -294,6 +294,10 @@ def _resume_local(args: argparse.Namespace) -> int:
     if not isinstance(table, dict) or not table:
         raise GossipError(f"--resume {run_dir}: {peers} names no processes")
     configs = [run_dir / "peers" / str(k) / "config.yaml" for k in range(len(table))]
+    folders = sorted(int(f.name) for f in (run_dir / "peers").iterdir() if f.name.isdigit())
+    if folders != list(range(len(table))):  # (2 processes trained 3 processes' checkpoints)
+        raise GossipError(f"--resume {run_dir}: {peers} names {len(table)} processes, but "
+                          f"peers/ holds the folders of {len(folders)}")  # fmt: skip
     for k, config in enumerate(configs):
         if not config.is_file():
             raise GossipError(f"--resume {run_dir}: process {k} never started (no {config}); "
@@ -301,6 +305,11 @@ def _resume_local(args: argparse.Namespace) -> int:
     extra = [x for o in args.overrides for x in ("--set", o)]
     argvs = [["peer", str(config), "--peers", str(peers), "--out", str(run_dir), "--quiet",
               "--id", str(k), "--resume", *extra] for k, config in enumerate(configs)]  # fmt: skip
+    cfg = load_config(configs[0], [*args.overrides, "runtime.transport=zmq"], unread=False)
+    _check_finished(run_dir, configs, cfg.rounds)
+    # the kill schedule still holds: a process that goes back before its kill crashes there
+    # (a stop and resume dropped it, unsaid), its restart on standby
+    restarts = {k["id"]: k["restart"] for k in cfg.runtime.faults.kill if "restart" in k}
     with _holding(run_dir):  # (its launcher still going: refused before anything is touched)
         # the old ports may be taken now: all restart on new ones; and the commands that
         # continue each process, as they now are (the folder may have moved)
@@ -308,7 +317,25 @@ def _resume_local(args: argparse.Namespace) -> int:
         write_text(peers, "".join(f"{k}: 127.0.0.1:{p}\n" for k, p in enumerate(ports)))
         write_text(run_dir / "logs" / RESUME_COMMANDS,
                    "".join(f"gossip-pfl {shlex.join(a)}\n" for a in argvs))  # fmt: skip
-        return _launch(run_dir, argvs, {})
+        return _launch(run_dir, argvs, restarts)
+
+
+def _check_finished(run_dir: Path, configs: list[Path], rounds: int) -> None:
+    """Processes that finished ``rounds`` do not join a resume: one that stopped earlier then
+    waited runtime.timeout_s for them and said they did not answer."""
+    done = [k for k, c in enumerate(configs) if _finished(c.parent / "summary.json", rounds)]
+    if done and len(done) < len(configs):
+        left = [k for k in range(len(configs)) if k not in done]
+        raise GossipError(f"--resume {run_dir}: process(es) {done} finished their {rounds} "
+                          f"rounds, {left} did not: they cannot go on alone (raise rounds "
+                          "with --set rounds=N to go on with all of them)")  # fmt: skip
+
+
+def _finished(summary: Path, rounds: int) -> bool:
+    try:
+        return json.loads(summary.read_text()).get("round") == rounds
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 @contextmanager
@@ -328,6 +355,10 @@ def _launch(run_dir: Path, argvs: list[list[str]], restarts: dict[int, int]) -> 
     """Start a process per command line (``gossip-pfl ARGV``; process k logs to
     RUN_DIR/logs/k.txt), restart those the kill schedule crashes, then merge."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # what the logs held before (a resume appends): a process that fails is named with a line
+    # of its own (one killed at its start was named with the last session's last line)
+    logs = [run_dir / "logs" / f"{k}.txt" for k in range(len(argvs))]
+    before = [log.stat().st_size if log.is_file() else 0 for log in logs]
     # on Linux the processes fork from one server that loaded torch once (peer_server.py);
     # elsewhere (forking after torch has loaded is unsafe on macOS) each is an interpreter
     server = None
@@ -362,10 +393,14 @@ def _launch(run_dir: Path, argvs: list[list[str]], restarts: dict[int, int]) -> 
     failed = {k: c for k, c in codes.items() if c not in (0, KILLED_EXIT)}
     if failed:
         k, code = sorted(failed.items())[0]
-        lines = (run_dir / "logs" / f"{k}.txt").read_text().strip().splitlines()
+        lines = []
+        if logs[k].is_file():
+            with open(logs[k], "rb") as fh:
+                fh.seek(before[k])
+                lines = fh.read().decode(errors="replace").strip().splitlines()
         raise_code = code if code > 0 else 1
-        print(f"gossip-pfl: process {k} exited with code {code}: {lines[-1] if lines else ''}",
-              file=sys.stderr)  # fmt: skip
+        last = lines[-1] if lines else f"(nothing in {logs[k]})"
+        print(f"gossip-pfl: process {k} exited with code {code}: {last}", file=sys.stderr)
         return raise_code
     summary = merge(run_dir)
     _print_summary(summary, run_dir)

@@ -146,14 +146,14 @@ class RoundLoop:
                 f"or start a run of {self.cfg.rounds} rounds"
             )
 
-    def load_checkpoint(self, out: Path) -> dict:
+    def load_checkpoint(self, out: Path, name: str = rundir.CHECKPOINT_FILE) -> dict:
         """RUN_DIR/checkpoint.pt (digest checked), the same on every rank: compared before
         any rank's own checks of it (a rank that cannot read its own tells the others)."""
         from gossip_pfl import checkpoint
 
         where = f"--resume {out}"
         try:
-            state = checkpoint.load(out)
+            state = checkpoint.load(out, name)
         except GossipError:
             check_same_checkpoint(self.comm, None, where)
             raise

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from functools import partial
 from pathlib import Path
 
@@ -21,8 +22,8 @@ from gossip_pfl.train import Trainer, config_digest
 
 #: coordinates of the mixed rows sampled to measure the drift of the average (all if fewer)
 PROBES = 64
-#: how many checkpoints at multiples of ``checkpoint_every`` a process keeps (RUN_DIR/kept/):
-#: processes stopped up to that many multiples apart resume together at a common round
+#: the fewest checkpoints at multiples of ``checkpoint_every`` a process keeps (RUN_DIR/kept/);
+#: it keeps enough to span as many rounds as there are processes (see PeerTrainer.keep)
 KEEP = 2
 
 
@@ -59,8 +60,8 @@ class PeerTrainer(Trainer):
 
     def checkpoint(self, out: Path, rounds_done: int, rows: list) -> None:
         """RUN_DIR/checkpoint.pt, and at multiples of ``checkpoint_every`` a link to it in
-        RUN_DIR/kept/ (the last KEEP of them; a hard link costs no space while it is the
-        latest): what lets processes stopped at different rounds resume at a common one."""
+        RUN_DIR/kept/ (the last :meth:`keep` of them; a hard link costs no space while it is
+        the latest): what lets processes stopped at different rounds resume at a common one."""
         super().checkpoint(out, rounds_done, rows)
         every = self.cfg.checkpoint_every
         if not every or rounds_done % every:
@@ -68,8 +69,18 @@ class PeerTrainer(Trainer):
         kept = Path(out) / rundir.KEPT
         rundir.write(kept, lambda p: p.mkdir(exist_ok=True))
         rundir.write(kept / f"{rounds_done}.pt", partial(_link, Path(out) / checkpoint.FILE))
-        for r in _kept_rounds(out)[:-KEEP]:
+        for r in _kept_rounds(out)[: -self.keep()]:
             rundir.write(kept / f"{r}.pt", lambda p: p.unlink(missing_ok=True))
+
+    def keep(self) -> int:
+        """How many checkpoints at multiples of ``checkpoint_every`` this process keeps: at
+        least KEEP, and enough to span as many rounds as there are processes. Where every link
+        lands, no process gets more rounds ahead of another than the process graph's
+        diameter (under the process count), so processes stopped at any moment hold a
+        round in common; a time-varying graph that leaves a process without neighbours may
+        let them drift further (4 processes stopped 0.2 s apart at rounds 404 to 408)."""
+        every = self.cfg.checkpoint_every
+        return max(KEEP, -(-self.comm.world_size // every) + 1)
 
     def restore(self, out: Path) -> tuple[int, list]:
         """The process's own latest checkpoint (none: its initial state), then the round to
@@ -85,7 +96,8 @@ class PeerTrainer(Trainer):
         self.links = open(Path(out) / "links.jsonl", "a", buffering=1)  # noqa: SIM115
         if first == self.cfg.rounds:  # finished, stopped before its summary: nobody to join
             return first, rows
-        holds = [r for r in _kept_rounds(out) if r < first] + [first]
+        holds = [r for r in _kept_rounds(out) if r < first and self._intact(Path(out), r)]
+        holds.append(first)
         start = self.comm.join(first, need_all=False, wait_round=self.wait_round, holds=holds)
         if start < first:  # the others stopped earlier: go back to where they all can go on
             self.log(f"process {self.comm.rank}: resumes at round {start}, the latest round "
@@ -97,11 +109,22 @@ class PeerTrainer(Trainer):
             rundir.write(Path(out) / rundir.REJOINS, partial(rundir.append_row, row=entry))
         return start, rows
 
+    @staticmethod
+    def _intact(out: Path, r: int) -> bool:
+        """Whether kept/R.pt is whole; a damaged one is left out of the rounds this process
+        names (it was agreed on, then replaced the process's good checkpoint), with a warning."""
+        why = checkpoint.verify(out, f"{rundir.KEPT}/{r}.pt")
+        if why is not None:
+            warnings.warn(f"{why}; left out of the rounds this process can resume from",
+                          stacklevel=2)  # fmt: skip
+        return why is None
+
     def _roll_back(self, out: Path, start: int) -> tuple[int, list]:
-        """Make the kept checkpoint of round ``start`` the process's checkpoint, forget the
-        later ones (a later resume must not name rounds this run no longer went through),
-        and load it."""
+        """Load the kept checkpoint of round ``start``, then make it the process's checkpoint
+        and forget the later ones (a later resume must not name rounds this run no longer
+        went through): nothing is replaced before it has loaded."""
         kept = out / rundir.KEPT
+        first, rows = super().restore(out, f"{rundir.KEPT}/{start}.pt")
         rundir.write(out / checkpoint.FILE, partial(_link, kept / f"{start}.pt"))
         for r in _kept_rounds(out):
             if r > start:
@@ -110,11 +133,13 @@ class PeerTrainer(Trainer):
         if any(e.get("start", 0) > start for e in rejoins):
             kept_rows = [e for e in rejoins if e.get("start", 0) <= start]
             rundir.rewrite_rows(out / rundir.REJOINS, kept_rows)
-        return super().restore(out)
+        return first, rows
 
     def sample(self, t: int) -> np.ndarray:
         for kill in self.cfg.runtime.faults.kill:
-            if kill["id"] == self.comm.rank and kill["round"] == t and not self.resumed:
+            # (a restart rejoins past its kill's round; a resumed run that went back before
+            # it crashes there as the uninterrupted run did, its restart on standby)
+            if kill["id"] == self.comm.rank and kill["round"] == t:
                 print(f"gossip-pfl: process {self.comm.rank} killed at round {t} "
                       "(runtime.faults.kill)", file=sys.stderr, flush=True)  # fmt: skip
                 self.links.flush()

@@ -1342,9 +1342,11 @@ class Trainer(RoundLoop):
             return {k: self.rows_of(v).cpu() for k, v in self.rule_state.items()}
         return {k: v.cpu() for k, v in self.rule_state.items()}
 
-    def restore(self, out: Path) -> tuple[int, list]:
-        """Load RUN_DIR/checkpoint.pt into this rank's peers; returns (first round, rows)."""
-        state = self.load_checkpoint(out)  # digest checked: altered or truncated files stop
+    def restore(self, out: Path, name: str | None = None) -> tuple[int, list]:
+        """Load RUN_DIR/checkpoint.pt (or RUN_DIR/``name``) into this rank's peers; returns
+        (first round, rows)."""
+        # digest checked: altered or cut files stop
+        state = self.load_checkpoint(out, name or checkpoint.FILE)
         where = f"--resume {out}"
         self.check_config(state, where)  # a changed key, named before the shapes it changes
         self.check_data(state, where)

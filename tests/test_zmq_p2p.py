@@ -110,22 +110,59 @@ def test_peer_processes_equal_one_process(tmp_path):
         cli_peer.merge(tmp_path / "run")
 
     # Processes stopped at different rounds: process 1 after round 4 (killed after its
-    # round-4 checkpoint), processes 0 and 2 after round 6. Resumed together to round 8,
-    # 0 and 2 go back to round 4, the latest round all three hold (kept/4.pt), and the run
-    # ends as one of 8 rounds does (before, all started at 6, process 1's peers skipping
-    # rounds 5-6)
+    # round-4 checkpoint), processes 0 and 2 after round 6. Resumed together to round 8, all
+    # go back to the latest round all three hold, and the run ends as one of 8 rounds does
+    # (before, all started at 6, process 1's peers skipping rounds 5-6). That would be round
+    # 4, but process 0's kept/4.pt is damaged: left out (it was agreed on, then replaced the
+    # process's good checkpoint), they go back to round 2
     run, one = tmp_path / "stopped", tmp_path / "one8"
     shutil.copy(run / "peers/1/kept/4.pt", run / "peers/1/checkpoint.pt")
     (run / "peers/1/summary.json").unlink()
+    damaged = bytearray((run / "peers/0/kept/4.pt").read_bytes())
+    damaged[-100] ^= 0xFF
+    (run / "peers/0/kept/4.pt").write_bytes(bytes(damaged))
     assert main(["peers-local", "--resume", str(run), "--set", "rounds=8"]) == 0
-    for k in range(3):  # each went back to round 4 (0 and 2 from 6; 1 from its own round 4)
+    for k in range(3):  # each went back to round 2
         rounds = [json.loads(x)["round"] for x in (run / f"peers/{k}/links.jsonl").open()]
-        assert rounds == [*range(6), *range(4, 8)], (k, rounds)
+        assert rounds == [*range(6), *range(2, 8)], (k, rounds)
+    assert "4.pt: checkpoint is corrupt" in (run / "logs/0.txt").read_text()
     assert main(["run", str(cfg), "--out", str(one), "--set", "rounds=8", "--quiet",
                  "--no-plots"]) == 0  # fmt: skip
     merged = _same_results(one, run)
     assert "rejoins" not in merged and merged["links"]["link_ends_lost"] == 0
-    assert sorted(p.name for p in (run / "peers/0/kept").iterdir()) == ["6.pt", "8.pt"]
+    # (3 processes, checkpoint_every 2: the last 3 multiples, to span 3 rounds)
+    assert sorted(p.name for p in (run / "peers/0/kept").iterdir()) == ["4.pt", "6.pt", "8.pt"]
+
+
+def test_peers_local_resume_reads_the_run_folder(tmp_path, capsys, monkeypatch):
+    """What `peers-local --resume` finds in the folder, before any process starts: the kill
+    schedule still holds (a stop and resume dropped its crash, unsaid: a process that goes
+    back before it crashes there, its restart on standby); processes that finished cannot go
+    on with one that stopped earlier (it waited timeout_s for them, then said they did not
+    answer); a peers file that names fewer processes than the folder holds (two processes
+    trained three processes' checkpoints)."""
+    launched = []
+    monkeypatch.setattr(cli_peer, "_launch", lambda run_dir, argvs, restarts:
+                        launched.append((len(argvs), restarts)) or 0)  # fmt: skip
+    run = tmp_path / "run"
+    kill = {"kill": [{"id": 1, "round": 3, "restart": 5}]}
+    cfg = {**CONFIG, "runtime": {**CONFIG["runtime"], "transport": "zmq", "faults": kill}}
+    for k in range(3):
+        (run / "peers" / str(k)).mkdir(parents=True)
+        (run / "peers" / str(k) / "config.yaml").write_text(yaml.safe_dump(cfg))
+    (run / "peers.yaml").write_text(yaml.safe_dump(_ports(3)))
+    assert main(["peers-local", "--resume", str(run)]) == 0
+    assert launched == [(3, {1: 5})]
+    (run / "peers/2/summary.json").write_text(json.dumps({"round": 6}))
+    assert main(["peers-local", "--resume", str(run)]) == 2
+    assert "process(es) [2] finished their 6 rounds, [0, 1] did not: they cannot go on alone " \
+           "(raise rounds with --set rounds=N" in capsys.readouterr().err  # fmt: skip
+    assert main(["peers-local", "--resume", str(run), "--set", "rounds=9"]) == 0
+    (run / "peers.yaml").write_text(yaml.safe_dump(_ports(2)))
+    assert main(["peers-local", "--resume", str(run), "--set", "rounds=9"]) == 2
+    assert "peers.yaml names 2 processes, but peers/ holds the folders of 3" in \
+        capsys.readouterr().err  # fmt: skip
+    assert len(launched) == 2
 
 
 def test_a_process_that_never_exchanges_answers_before_it_closes():

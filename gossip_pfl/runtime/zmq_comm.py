@@ -673,11 +673,13 @@ class ZmqComm:
             flags, dims = flags | AGREED, (self.agreed_round,)
         self._control(peer, (rnd, flags, HELLO, self.config_digest), HELLO, dims)
 
-    def _answer_hellos(self) -> None:
+    def _answer_hellos(self, rnd: int | None = None) -> None:
         """Tell the peers that asked which round this process is at (after a lost link's
-        socket was reset, so that the reply is not discarded with it)."""
+        socket was reset, so that the reply is not discarded with it); ``rnd``: joining, the
+        round of its checkpoint (its tag is then the earliest it may start at, which made a
+        rejoin's start depend on which of its messages came last)."""
         for r in sorted(self._reply_to):
-            self._hello_to(r, self._round, reply=False)
+            self._hello_to(r, self._round if rnd is None else rnd, reply=False)
         self._reply_to.clear()
 
     def _queue_early(self, mkey, msg: _Msg) -> bool:
@@ -826,7 +828,7 @@ class ZmqComm:
                         f"rank {self.rank}: process(es) {other} were started with another "
                         "config than this one; give every process the same config and --set"
                     )
-                self._answer_hellos()
+                self._answer_hellos(first_round)
                 # a restart asks a running peer below the restart round again at once: a fast
                 # run can pass that round and end between two announcements, unheard
                 if not need_all and mkey[0] < wait_round and (before is None or mkey[0] > before):
