@@ -330,8 +330,50 @@ def test_a_latecomer_resumes_at_the_round_the_others_agreed_on():
         assert comm._running_round() == 7
         comm._said[2] = (zc.RESUMING, (2, 4, 7))
         assert comm._running_round() == -1
+        # after agreeing: the others' outcomes. One that fell back (it decided without
+        # hearing everyone) makes this one fall back too; all agreeing, or silence for a
+        # link timeout, confirms (the silent ones are then as lost links)
+        comm.link_timeout_s = 0.2
+        comm._said = {1: (zc.AGREED, (4,)), 2: (0, ())}
+        assert not comm._confirmed([1, 2], 4, 5)
+        comm._said[2] = (zc.AGREED, (2,))
+        assert not comm._confirmed([1, 2], 4, 5)
+        comm._said[2] = (zc.AGREED, (4,))
+        assert comm._confirmed([1, 2], 4, 5)
+        comm._said[2] = (zc.RESUMING, (2, 4, 7))
+        start = time.monotonic()
+        assert comm._confirmed([1, 2], 4, 5) and time.monotonic() - start >= 0.2
     finally:
         comm.close()
+
+
+def test_a_restart_on_standby_rejoins_whatever_its_peers_agreed():
+    """The kill schedule's restart (``wait_round``) soon after a resume heard its peers'
+    "agreed on round 2" hellos, went back to round 2 while they ran on, and crashed again at
+    its kill round: it rejoins the running peers at their round."""
+    peers = _ports(2)
+    restart, running = (zc.ZmqComm(k, peers, "cpu", 10, p2p=True, link_timeout_s=2)
+                        for k in range(2))  # fmt: skip
+    running.agreed_round, running._round = 2, 3  # resumed at 2, now in round 3
+    stop = threading.Event()
+
+    def answer():  # what a running process does between its exchanges
+        while not stop.is_set():
+            if running._pull.poll(20):
+                got = running._read_header()
+                if got and got[0][2] == zc.HELLO:
+                    running._hello(*got)
+                    running._answer_hellos()
+
+    thread = threading.Thread(target=answer)
+    thread.start()
+    try:
+        assert restart.join(2, need_all=False, wait_round=3, holds=(2,)) == 3
+    finally:
+        stop.set()
+        thread.join(5)
+        restart.close()
+        running.close()
 
 
 @pytest.mark.parametrize(

@@ -725,15 +725,58 @@ class ZmqComm:
         finally:
             self._holds = ()
         heard = [r for r in others if r in self._heard]
-        self.agreed_round = self._resume_round(holds, heard, others)
-        start = self.agreed_round
-        if start is None:  # rejoin the running peers (or start afresh)
-            start = max([first_round, *(self._heard[r] for r in heard)])
+        # a restart on standby (wait_round) rejoins a running run whatever its peers say
+        agreed = None if wait_round else self._resume_round(holds, heard, others)
+        if agreed is not None:  # all resuming: the round agreed, unless one fell back
+            self.agreed_round = agreed
+            self.set_tag(agreed, 0)
+            self._tell(others, first_round)  # (the round it names stays its checkpoint's)
+            if self._confirmed(others, agreed, first_round):
+                return agreed
+            self.agreed_round = None
+        heard = [r for r in others if r in self._heard]
+        start = max([first_round, *(self._heard[r] for r in heard)])  # rejoin (or a start)
         self.set_tag(start, 0)  # queued messages of the rounds skipped are dropped as stale
-        if holds:  # the outcome to everyone at once (the round agreed, or running): one still
-            for r in others:  # joining must not go on reading this one's "resuming" hello
-                self._hello_to(r, start, reply=False)
+        if holds:  # the outcome to everyone at once: one still joining must not go on
+            self._tell(others, start)  # reading this one's "resuming" hello
         return start
+
+    def _tell(self, others: list[int], rnd: int) -> None:
+        """This process's outcome to every other one: the round agreed (``agreed_round``),
+        or running at round ``rnd``."""
+        for r in others:
+            self._hello_to(r, rnd, reply=False)
+
+    def _confirmed(self, others: list[int], agreed: int, first_round: int) -> bool:
+        """After agreeing on round ``agreed``: every other process's outcome, up to a link
+        timeout. False if one fell back (it decided without hearing everyone, as this one
+        heard the last of them: one at the round agreed, the others at the latest named);
+        True when all agreed, or when the others said nothing more in time."""
+        deadline = time.monotonic() + self.link_timeout_s
+        while True:
+            said = [self._said.get(r, (0, ())) for r in others]
+            if any(not flags or (flags & AGREED and dims[:1] != (agreed,)) for flags, dims in said):
+                return False
+            if all(flags & AGREED for flags, _ in said):
+                return True
+            wait = deadline - time.monotonic()
+            if wait <= 0:  # (the silent ones: dead or slow, as lost links then)
+                return True
+            if not self._pull.poll(max(1, int(wait * 1000))):
+                continue
+            got = self._read_header()
+            if got is None:
+                continue
+            mkey, msg = got
+            if mkey[2] == HELLO:
+                self._hello(mkey, msg)
+                self._answer_hellos(first_round)
+            elif mkey[2] == ALIVE:
+                self._drain(True)
+            elif mkey[:2] < self.tag:
+                self._drop("stale", mkey, msg, "that operation is over")
+            else:
+                self._queue_early(mkey, msg)
 
     def _resume_round(
         self, holds: tuple[int, ...], heard: list[int], others: list[int]
