@@ -38,9 +38,11 @@ from gossip_pfl.errors import KILLED_EXIT, GossipError
 from gossip_pfl.metrics import score_entries
 from gossip_pfl.rundir import (
     CHECKPOINT_FILE,
+    KEPT,
     REJOINS,
     RunLock,
     check_out_dir,
+    check_processes_stopped,
     clear_outputs,
     is_peer_run,
     read_rows,
@@ -146,12 +148,14 @@ def cmd_peer(args: argparse.Namespace) -> int:
         from gossip_pfl.runtime.data import warm_up
 
         warm_up()
-    deadline = time.monotonic() + rt.timeout_s
+    parent = os.getppid()
     while args.after_pid and _alive(args.after_pid):  # the crashed process may not have
-        if time.monotonic() > deadline:  # bound our port yet: a bind now would take it
-            raise GossipError(f"--after-pid {args.after_pid}: still running after "
-                              f"runtime.timeout_s = {rt.timeout_s} s")  # fmt: skip
+        if os.getppid() != parent:  # bound our port yet: a bind now would take it. No
+            # deadline while its launcher lives: a kill may come long after the start (a
+            # standby gave up after runtime.timeout_s, then was put in its process's place)
+            raise GossipError(f"--after-pid {args.after_pid}: its launcher is gone")
         time.sleep(0.05)
+    deadline = time.monotonic() + rt.timeout_s
     while True:
         try:
             comm = ZmqComm(args.id, table, resolve_device(rt.device), rt.timeout_s,
@@ -254,6 +258,7 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
         )
     with _holding(run_dir):  # (a run still going there: refused before anything is touched)
         if args.overwrite and run_dir.is_dir():
+            check_processes_stopped(run_dir)  # (a launcher stopped alone leaves them running)
             shutil.rmtree(run_dir / "peers", ignore_errors=True)
             # and the old run's merged files, logs (appended to), checkpoint and figures: a new
             # run that fails must not leave them beside its own processes' outputs
@@ -294,22 +299,24 @@ def _resume_local(args: argparse.Namespace) -> int:
     if not isinstance(table, dict) or not table:
         raise GossipError(f"--resume {run_dir}: {peers} names no processes")
     configs = [run_dir / "peers" / str(k) / "config.yaml" for k in range(len(table))]
-    folders = sorted(int(f.name) for f in (run_dir / "peers").iterdir() if f.name.isdigit())
-    if folders != list(range(len(table))):  # (2 processes trained 3 processes' checkpoints)
-        raise GossipError(f"--resume {run_dir}: {peers} names {len(table)} processes, but "
-                          f"peers/ holds the folders of {len(folders)}")  # fmt: skip
     for k, config in enumerate(configs):
         if not config.is_file():
             raise GossipError(f"--resume {run_dir}: process {k} never started (no {config}); "
                               "start the run again")  # fmt: skip
+    folders = [f for f in (run_dir / "peers").iterdir() if f.name.isdigit()]
+    if len(folders) != len(table):  # (2 processes trained 3 processes' checkpoints)
+        raise GossipError(f"--resume {run_dir}: {peers} names {len(table)} processes, but "
+                          f"peers/ holds the folders of {len(folders)}")  # fmt: skip
     extra = [x for o in args.overrides for x in ("--set", o)]
     argvs = [["peer", str(config), "--peers", str(peers), "--out", str(run_dir), "--quiet",
               "--id", str(k), "--resume", *extra] for k, config in enumerate(configs)]  # fmt: skip
     cfg = load_config(configs[0], [*args.overrides, "runtime.transport=zmq"], unread=False)
     _check_finished(run_dir, configs, cfg.rounds)
     # the kill schedule still holds: a process that goes back before its kill crashes there
-    # (a stop and resume dropped it, unsaid), its restart on standby
-    restarts = {k["id"]: k["restart"] for k in cfg.runtime.faults.kill if "restart" in k}
+    # (a stop and resume dropped it, unsaid), its restart on standby (only where it can)
+    kills = [k for k in cfg.runtime.faults.kill if "restart" in k]
+    restarts = {k["id"]: k["restart"] for k in kills
+                if k["round"] > _earliest(run_dir / "peers" / str(k["id"]))}  # fmt: skip
     with _holding(run_dir):  # (its launcher still going: refused before anything is touched)
         # the old ports may be taken now: all restart on new ones; and the commands that
         # continue each process, as they now are (the folder may have moved)
@@ -318,6 +325,13 @@ def _resume_local(args: argparse.Namespace) -> int:
         write_text(run_dir / "logs" / RESUME_COMMANDS,
                    "".join(f"gossip-pfl {shlex.join(a)}\n" for a in argvs))  # fmt: skip
         return _launch(run_dir, argvs, restarts)
+
+
+def _earliest(folder: Path) -> int:
+    """The earliest round a process's folder can resume at: its oldest kept checkpoint (0
+    without a checkpoint; its own checkpoint's round is not read here, which needs torch)."""
+    kept = [int(p.stem) for p in (folder / KEPT).glob("*.pt") if p.stem.isdigit()]
+    return min(kept, default=0) if (folder / CHECKPOINT_FILE).is_file() else 0
 
 
 def _check_finished(run_dir: Path, configs: list[Path], rounds: int) -> None:

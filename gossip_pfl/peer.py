@@ -22,9 +22,10 @@ from gossip_pfl.train import Trainer, config_digest
 
 #: coordinates of the mixed rows sampled to measure the drift of the average (all if fewer)
 PROBES = 64
-#: the fewest checkpoints at multiples of ``checkpoint_every`` a process keeps (RUN_DIR/kept/);
-#: it keeps enough to span as many rounds as there are processes (see PeerTrainer.keep)
-KEEP = 2
+#: the fewest and the most checkpoints at multiples of ``checkpoint_every`` a process keeps
+#: (RUN_DIR/kept/): enough to span as many rounds as there are processes (PeerTrainer.keep);
+#: the most is also the most rounds a hello names (its header holds at most 255)
+KEEP, KEEP_MOST = 2, 16
 
 
 class PeerTrainer(Trainer):
@@ -74,13 +75,14 @@ class PeerTrainer(Trainer):
 
     def keep(self) -> int:
         """How many checkpoints at multiples of ``checkpoint_every`` this process keeps: at
-        least KEEP, and enough to span as many rounds as there are processes. Where every link
+        least KEEP (at most KEEP_MOST: each older one is a full copy), and enough to span as
+        many rounds as there are processes. Where every link
         lands, no process gets more rounds ahead of another than the process graph's
         diameter (under the process count), so processes stopped at any moment hold a
         round in common; a time-varying graph that leaves a process without neighbours may
         let them drift further (4 processes stopped 0.2 s apart at rounds 404 to 408)."""
         every = self.cfg.checkpoint_every
-        return max(KEEP, -(-self.comm.world_size // every) + 1)
+        return min(KEEP_MOST, max(KEEP, -(-self.comm.world_size // every) + 1))
 
     def restore(self, out: Path) -> tuple[int, list]:
         """The process's own latest checkpoint (none: its initial state), then the round to
@@ -96,8 +98,8 @@ class PeerTrainer(Trainer):
         self.links = open(Path(out) / "links.jsonl", "a", buffering=1)  # noqa: SIM115
         if first == self.cfg.rounds:  # finished, stopped before its summary: nobody to join
             return first, rows
-        holds = [r for r in _kept_rounds(out) if r < first and self._intact(Path(out), r)]
-        holds.append(first)
+        kept = [r for r in _kept_rounds(out) if r < first][-(KEEP_MOST - 1) :]  # (the latest)
+        holds = [r for r in kept if self._intact(Path(out), r)] + [first]
         start = self.comm.join(first, need_all=False, wait_round=self.wait_round, holds=holds)
         if start < first:  # the others stopped earlier: go back to where they all can go on
             self.log(f"process {self.comm.rank}: resumes at round {start}, the latest round "
@@ -137,9 +139,9 @@ class PeerTrainer(Trainer):
 
     def sample(self, t: int) -> np.ndarray:
         for kill in self.cfg.runtime.faults.kill:
-            # (a restart rejoins past its kill's round; a resumed run that went back before
-            # it crashes there as the uninterrupted run did, its restart on standby)
-            if kill["id"] == self.comm.rank and kill["round"] == t:
+            # (a resumed run that went back before its kill crashes there as the uninterrupted
+            # run did, its restart on standby; the restart itself never: it rejoins past it)
+            if kill["id"] == self.comm.rank and kill["round"] == t and not self.wait_round:
                 print(f"gossip-pfl: process {self.comm.rank} killed at round {t} "
                       "(runtime.faults.kill)", file=sys.stderr, flush=True)  # fmt: skip
                 self.links.flush()
@@ -202,6 +204,7 @@ def _link(source: Path, path: Path) -> None:
     system has none)."""
 
     def link(tmp: Path) -> None:
+        tmp.unlink(missing_ok=True)  # (one a kill left: os.link would fall back to a copy)
         try:
             os.link(source, tmp)
         except OSError:

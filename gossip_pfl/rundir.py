@@ -204,21 +204,30 @@ class RunLock:
             import fcntl
         except ImportError:  # (Windows: no flock)
             return self
-        try:
-            fh = open(self.out / LOCK_FILE, "a+")  # noqa: SIM115 - held while the run goes
-        except OSError:
-            return self  # (the run's own writes say what is wrong with the folder)
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            pid = fh.read().strip()
-            fh.close()
-            who = f" (process {pid})" if pid.isdigit() else ""
-            raise GossipError(f"out: {self.out} is in use by another run{who}; wait for it to "
-                              "end or stop it, or choose another --out") from None  # fmt: skip
-        except OSError:  # no locks on this file system
-            fh.close()
+        path = self.out / LOCK_FILE
+        for _ in range(8):  # (the file a run just removed: open the one there now)
+            try:
+                fh = open(path, "a+")  # noqa: SIM115 - held while the run goes
+            except OSError:
+                return self  # (the run's own writes say what is wrong with the folder)
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.seek(0)
+                pid = fh.read().strip()
+                fh.close()
+                who = f" (process {pid})" if pid.isdigit() else ""
+                raise GossipError(
+                    f"out: {self.out} is in use by another run{who}; wait for it to end or stop "
+                    "it, or choose another --out"
+                ) from None
+            except OSError:  # no locks on this file system
+                fh.close()
+                return self
+            if _same_file(fh, path):
+                break
+            fh.close()  # opened before its run removed it, locked after: not the folder's
+        else:
             return self
         fh.seek(0)
         fh.truncate()
@@ -237,6 +246,24 @@ class RunLock:
                 pass
             self.file.close()  # (closing releases the lock)
             self.file = None
+
+
+def check_processes_stopped(run_dir: Path) -> None:
+    """No process of the peer-to-peer run in ``run_dir`` still holds its folder (one whose
+    launcher was stopped alone goes on): deleting RUN_DIR/peers/ would go under it."""
+    peers = run_dir / "peers"
+    for folder in sorted(peers.iterdir()) if peers.is_dir() else ():
+        if folder.is_dir():
+            RunLock(folder).acquire().release()  # (raises while one holds it)
+
+
+def _same_file(fh, path: Path) -> bool:
+    """Whether the open file ``fh`` is the one at ``path`` now."""
+    try:
+        mine, there = os.fstat(fh.fileno()), os.stat(path)
+    except OSError:
+        return False
+    return (mine.st_ino, mine.st_dev) == (there.st_ino, there.st_dev)
 
 
 #: every figure a run writes into RUN_DIR/plots (plots.py, expfam/run.py)
@@ -260,7 +287,8 @@ def clear_outputs(out: Path, keep_checkpoint: bool = False) -> None:
         write(path, lambda p: p.unlink(missing_ok=True))
     if not keep_checkpoint and is_peer_run(out):  # a run written over a peers-local run: its
         # processes' folders go (merge put their old results over the new run's, and the new
-        # run's --resume was refused as a peer-to-peer run's)
+        # run's --resume was refused as a peer-to-peer run's), unless one still runs
+        check_processes_stopped(out)
         for folder in (out / "peers", out / "logs"):
             write(folder, lambda p: shutil.rmtree(p, ignore_errors=True))
         write(out / "peers.yaml", lambda p: p.unlink(missing_ok=True))

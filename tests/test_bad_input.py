@@ -309,13 +309,14 @@ def test_a_peer_to_peer_folder_is_not_offered_to_run_resume(tmp_path, capsys):
     # written over it deletes its processes' folders
     from gossip_pfl.rundir import RunLock
 
-    launcher = RunLock(tmp_path).acquire()
-    try:
-        for argv in (["peers-local", cfg, "-n", "2"], ["run", cfg, "--quiet", *SMALL]):
-            _one_line_error(capsys, [*argv, "--out", str(tmp_path), "--overwrite"],
-                            "is in use by another run")  # fmt: skip
-    finally:
-        launcher.release()
+    for held in (tmp_path, tmp_path / "peers" / "0"):  # its launcher, or (a launcher
+        lock = RunLock(held).acquire()  # stopped alone) a process that still runs
+        try:
+            for argv in (["peers-local", cfg, "-n", "2"], ["run", cfg, "--quiet", *SMALL]):
+                _one_line_error(capsys, [*argv, "--out", str(tmp_path), "--overwrite"],
+                                "is in use by another run")  # fmt: skip
+        finally:
+            lock.release()
     assert (tmp_path / "peers" / "0").is_dir() and (tmp_path / "peers.yaml").is_file()
     # written over: the processes' folders go (merge put them over the new run's results, and
     # its --resume was refused as a peer-to-peer run's)

@@ -330,6 +330,32 @@ def test_a_folder_in_use_by_another_run_is_refused(tmp_path, capsys):
     assert not (out / ".lock").exists()
 
 
+def test_a_run_that_ends_as_another_takes_its_folder_leaves_one_holder(tmp_path, monkeypatch):
+    """A ends (removes .lock, then lets go) between B's open and B's lock: B held the removed
+    file, and C a new one: two runs in one folder. B takes the file that is there now."""
+    import fcntl
+
+    from gossip_pfl.rundir import LOCK_FILE, RunLock
+
+    a = RunLock(tmp_path).acquire()
+    flock, ended = fcntl.flock, []
+
+    def a_ends_first(fh, op):
+        if not ended:
+            ended.append(a.release())
+        return flock(fh, op)
+
+    monkeypatch.setattr(fcntl, "flock", a_ends_first)
+    b = RunLock(tmp_path).acquire()
+    monkeypatch.undo()
+    try:
+        assert os.fstat(b.file.fileno()).st_ino == os.stat(tmp_path / LOCK_FILE).st_ino
+        with pytest.raises(GossipError, match="is in use by another run"):
+            RunLock(tmp_path).acquire()
+    finally:
+        b.release()
+
+
 # ---- signals ----------------------------------------------------------------------------------
 def test_sigterm_checkpoints_and_the_resumed_run_equals_the_uninterrupted(tmp_path, capsys):
     """SIGTERM in the middle: the run finishes its round, writes a checkpoint, says how to
@@ -689,12 +715,21 @@ def test_sigterm_while_the_figures_are_drawn_says_the_run_is_finished(tmp_path, 
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # (the handler raises before this ends)
 
+    class Unhandled(Exception):
+        pass
+
+    def unhandled(signum, frame):  # (what the run's own handler must replace: without it, a
+        raise Unhandled  # test failure, not the default action, which killed the test worker)
+
     monkeypatch.setattr(Trainer, "write_plots", staticmethod(terminated))
     cfg, out = write_cfg(tmp_path), tmp_path / "run"
-    before = signal.getsignal(signal.SIGTERM)
-    assert main(["run", str(cfg), "--out", str(out)]) == 143
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        assert main(["run", str(cfg), "--out", str(out)]) == 143
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # (given back)
+    finally:
+        signal.signal(signal.SIGTERM, before)
     assert "interrupted while drawing the figures" in capsys.readouterr().err
-    assert signal.getsignal(signal.SIGTERM) == before  # (given back)
 
 
 def test_the_command_ends_at_a_second_ctrl_c_while_it_winds_down(monkeypatch):

@@ -153,6 +153,13 @@ def test_peers_local_resume_reads_the_run_folder(tmp_path, capsys, monkeypatch):
     (run / "peers.yaml").write_text(yaml.safe_dump(_ports(3)))
     assert main(["peers-local", "--resume", str(run)]) == 0
     assert launched == [(3, {1: 5})]
+    # process 1 can go back no further than its oldest kept round, 4: past its kill at 3,
+    # so no restart waits on standby (it gave up after runtime.timeout_s, with an error line)
+    (run / "peers/1/kept").mkdir()
+    for name in ("checkpoint.pt", "kept/4.pt", "kept/6.pt"):
+        (run / "peers/1" / name).write_bytes(b"")
+    assert main(["peers-local", "--resume", str(run)]) == 0
+    assert launched[-1] == (3, {})
     (run / "peers/2/summary.json").write_text(json.dumps({"round": 6}))
     assert main(["peers-local", "--resume", str(run)]) == 2
     assert "process(es) [2] finished their 6 rounds, [0, 1] did not: they cannot go on alone " \
@@ -162,7 +169,20 @@ def test_peers_local_resume_reads_the_run_folder(tmp_path, capsys, monkeypatch):
     assert main(["peers-local", "--resume", str(run), "--set", "rounds=9"]) == 2
     assert "peers.yaml names 2 processes, but peers/ holds the folders of 3" in \
         capsys.readouterr().err  # fmt: skip
-    assert len(launched) == 2
+    assert len(launched) == 3
+
+
+def test_a_process_keeps_enough_checkpoints_to_span_the_processes():
+    """As many kept rounds as processes (where every link lands no process gets further
+    ahead), at least 2, at most 16 (each older one a full copy; a hello names at most 255)."""
+    from types import SimpleNamespace
+
+    from gossip_pfl.peer import PeerTrainer
+
+    tr = PeerTrainer.__new__(PeerTrainer)
+    for world, every, keep in [(1, 5, 2), (3, 2, 3), (4, 2, 3), (5, 2, 4), (300, 1, 16)]:
+        tr.cfg, tr.comm = SimpleNamespace(checkpoint_every=every), SimpleNamespace(world_size=world)
+        assert tr.keep() == keep, (world, every)
 
 
 def test_a_process_that_never_exchanges_answers_before_it_closes():
