@@ -312,6 +312,8 @@ def _resume_local(args: argparse.Namespace) -> int:
               "--id", str(k), "--resume", *extra] for k, config in enumerate(configs)]  # fmt: skip
     cfg = load_config(configs[0], [*args.overrides, "runtime.transport=zmq"], unread=False)
     _check_finished(run_dir, configs, cfg.rounds)
+    if any(o.split("=", 1)[0].strip() == "rounds" for o in args.overrides):
+        _check_rounds(run_dir, len(configs), cfg.rounds)
     # the kill schedule still holds: a process that goes back before its kill crashes there
     # (a stop and resume dropped it, unsaid), its restart on standby (only where it can)
     kills = [k for k in cfg.runtime.faults.kill if "restart" in k]
@@ -325,6 +327,20 @@ def _resume_local(args: argparse.Namespace) -> int:
         write_text(run_dir / "logs" / RESUME_COMMANDS,
                    "".join(f"gossip-pfl {shlex.join(a)}\n" for a in argvs))  # fmt: skip
         return _launch(run_dir, argvs, restarts)
+
+
+def _check_rounds(run_dir: Path, n: int, rounds: int) -> None:
+    """A new ``rounds`` is not below any process's checkpoint (one refused, one declared
+    itself finished there, the third waited runtime.timeout_s for them)."""
+    from gossip_pfl import checkpoint  # (torch: only when rounds changes)
+
+    for k in range(n):
+        folder = run_dir / "peers" / str(k)
+        if checkpoint.verify(folder) is None:
+            done = checkpoint.load(folder).get("rounds_done")
+            if isinstance(done, int) and done > rounds:
+                raise GossipError(f"--set rounds={rounds}: process {k}'s checkpoint is of "
+                                  f"round {done}; give rounds >= {done}")  # fmt: skip
 
 
 def _earliest(folder: Path) -> int:
@@ -758,6 +774,10 @@ def _print_summary(summary: dict, run_dir: Path) -> None:
 
 
 def cmd_merge(args: argparse.Namespace) -> int:
-    summary = merge(args.run_dir)
+    run_dir = Path(args.run_dir)
+    if run_dir.is_dir():  # a run still going: its rows so far, merged as a run's results
+        RunLock(run_dir).acquire().release()  # (its launcher)
+        check_processes_stopped(run_dir)  # (processes whose launcher was stopped alone)
+    summary = merge(run_dir)
     _print_summary(summary, Path(args.run_dir))
     return 0

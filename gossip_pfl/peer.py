@@ -90,8 +90,9 @@ class PeerTrainer(Trainer):
         of its own, if they stopped at different rounds), or the round the running peers are
         at (a restart into a running run; the rounds between are skipped)."""
         first, rows = 0, []
-        if (Path(out) / checkpoint.FILE).is_file():
-            first, rows = super().restore(out)
+        name = self._own_checkpoint(Path(out))
+        if name is not None:
+            first, rows = super().restore(out, name)
         self.resumed = True
         # appended: the exchanges a killed run made past its checkpoint happened for its
         # neighbours (merge keeps a process's last row of an exchange logged twice)
@@ -102,8 +103,8 @@ class PeerTrainer(Trainer):
         holds = [r for r in kept if self._intact(Path(out), r)] + [first]
         start = self.comm.join(first, need_all=False, wait_round=self.wait_round, holds=holds)
         if start < first:  # the others stopped earlier: go back to where they all can go on
-            self.log(f"process {self.comm.rank}: resumes at round {start}, the latest round "
-                     f"every process holds (its own checkpoint: {first})")  # fmt: skip
+            self.log(f"process {self.comm.rank}: resumes at round {start}, where every process "
+                     f"can go on (its own checkpoint: {first})")  # fmt: skip
             return self._roll_back(Path(out), start)
         if start > first:  # its peers skip the rounds between: merge says so
             self.log(f"process {self.comm.rank}: rejoins at round {start} (checkpoint: {first})")
@@ -111,15 +112,36 @@ class PeerTrainer(Trainer):
             rundir.write(Path(out) / rundir.REJOINS, partial(rundir.append_row, row=entry))
         return start, rows
 
-    @staticmethod
-    def _intact(out: Path, r: int) -> bool:
-        """Whether kept/R.pt is whole; a damaged one is left out of the rounds this process
-        names (it was agreed on, then replaced the process's good checkpoint), with a warning."""
-        why = checkpoint.verify(out, f"{rundir.KEPT}/{r}.pt")
-        if why is not None:
-            warnings.warn(f"{why}; left out of the rounds this process can resume from",
-                          stacklevel=2)  # fmt: skip
-        return why is None
+    def _own_checkpoint(self, out: Path) -> str | None:
+        """The checkpoint to resume from: checkpoint.pt, or where it is damaged or gone, the
+        latest whole kept one (the same state at a multiple of checkpoint_every: the process
+        restarted from round 0 and its peers skipped the rounds between; a damaged one failed
+        that process alone, the others ran on without it); None: none at all."""
+        why = checkpoint.verify(out) if (out / checkpoint.FILE).is_file() else "none there"
+        if why is None:
+            return checkpoint.FILE
+        kept = [r for r in _kept_rounds(out) if self._intact(out, r)]
+        if not kept:
+            if why != "none there":  # (its own message, as before)
+                return checkpoint.FILE
+            return None
+        warnings.warn(f"{out / checkpoint.FILE}: {why if why == 'none there' else 'damaged'}; "
+                      f"resuming from kept/{kept[-1]}.pt", stacklevel=2)  # fmt: skip
+        rundir.write(out / checkpoint.FILE, partial(_link, out / rundir.KEPT / f"{kept[-1]}.pt"))
+        return checkpoint.FILE
+
+    def _intact(self, out: Path, r: int) -> bool:
+        """Whether kept/R.pt is whole (read once); a damaged one is left out of the rounds
+        this process names (it was agreed on, then replaced the process's good checkpoint),
+        with a warning."""
+        seen = self.__dict__.setdefault("_kept_intact", {})
+        if r not in seen:
+            why = checkpoint.verify(out, f"{rundir.KEPT}/{r}.pt")
+            if why is not None:
+                warnings.warn(f"{why}; left out of the rounds this process can resume from",
+                              stacklevel=2)  # fmt: skip
+            seen[r] = why is None
+        return seen[r]
 
     def _roll_back(self, out: Path, start: int) -> tuple[int, list]:
         """Load the kept checkpoint of round ``start``, then make it the process's checkpoint

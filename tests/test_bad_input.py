@@ -315,6 +315,8 @@ def test_a_peer_to_peer_folder_is_not_offered_to_run_resume(tmp_path, capsys):
             for argv in (["peers-local", cfg, "-n", "2"], ["run", cfg, "--quiet", *SMALL]):
                 _one_line_error(capsys, [*argv, "--out", str(tmp_path), "--overwrite"],
                                 "is in use by another run")  # fmt: skip
+            # and merge: a run still going was merged as if it had ended
+            _one_line_error(capsys, ["merge", str(tmp_path)], "is in use by another run")
         finally:
             lock.release()
     assert (tmp_path / "peers" / "0").is_dir() and (tmp_path / "peers.yaml").is_file()

@@ -165,11 +165,49 @@ def test_peers_local_resume_reads_the_run_folder(tmp_path, capsys, monkeypatch):
     assert "process(es) [2] finished their 6 rounds, [0, 1] did not: they cannot go on alone " \
            "(raise rounds with --set rounds=N" in capsys.readouterr().err  # fmt: skip
     assert main(["peers-local", "--resume", str(run), "--set", "rounds=9"]) == 0
+    from gossip_pfl import checkpoint  # rounds below a checkpoint's: one process refused,
+
+    checkpoint.save({"rounds_done": 10}, run / "peers/0")  # one ended, one waited timeout_s
+    assert main(["peers-local", "--resume", str(run), "--set", "rounds=9"]) == 2
+    assert "--set rounds=9: process 0's checkpoint is of round 10; give rounds >= 10" in \
+        capsys.readouterr().err  # fmt: skip
     (run / "peers.yaml").write_text(yaml.safe_dump(_ports(2)))
     assert main(["peers-local", "--resume", str(run), "--set", "rounds=9"]) == 2
     assert "peers.yaml names 2 processes, but peers/ holds the folders of 3" in \
         capsys.readouterr().err  # fmt: skip
     assert len(launched) == 3
+
+
+def test_a_damaged_or_lost_checkpoint_resumes_from_the_latest_kept_one(tmp_path):
+    """A process whose checkpoint.pt was damaged failed alone while the others ran on (the
+    run could not be resumed again); one whose checkpoint.pt was gone restarted from round 0,
+    its peers skipping every round. Both resume from the latest whole kept checkpoint, with a
+    warning; with none, as before (the damage named, or the initial state)."""
+    from gossip_pfl import checkpoint
+    from gossip_pfl.peer import PeerTrainer
+
+    def tr():
+        return PeerTrainer.__new__(PeerTrainer)
+
+    (tmp_path / "kept").mkdir()
+    for r in (2, 4, 5):  # kept 2 and 4, then the latest
+        checkpoint.save({"rounds_done": r}, tmp_path)
+        if r < 5:
+            shutil.copy(tmp_path / "checkpoint.pt", tmp_path / f"kept/{r}.pt")
+    assert tr()._own_checkpoint(tmp_path) == "checkpoint.pt"  # whole: itself
+    assert checkpoint.load(tmp_path)["rounds_done"] == 5
+    (tmp_path / "checkpoint.pt").write_bytes(b"cut")
+    with pytest.warns(UserWarning, match="checkpoint.pt: damaged; resuming from kept/4.pt"):
+        assert tr()._own_checkpoint(tmp_path) == "checkpoint.pt"
+    assert checkpoint.load(tmp_path)["rounds_done"] == 4
+    (tmp_path / "checkpoint.pt").unlink()
+    (tmp_path / "kept/4.pt").write_bytes(b"cut")  # (and the latest kept one damaged)
+    with pytest.warns(UserWarning, match="none there; resuming from kept/2.pt"):
+        assert tr()._own_checkpoint(tmp_path) == "checkpoint.pt"
+    assert checkpoint.load(tmp_path)["rounds_done"] == 2
+    shutil.rmtree(tmp_path / "kept")
+    (tmp_path / "checkpoint.pt").unlink()
+    assert tr()._own_checkpoint(tmp_path) is None
 
 
 def test_a_process_keeps_enough_checkpoints_to_span_the_processes():
@@ -365,6 +403,26 @@ def test_a_latecomer_resumes_at_the_round_the_others_agreed_on():
         assert comm._confirmed([1, 2], 4, 5) and time.monotonic() - start >= 0.2
     finally:
         comm.close()
+
+
+def test_a_late_process_goes_back_to_where_the_others_went_on():
+    """Processes 0 and 1 (checkpoints of round 6) decide without process 2 (round 8, late by
+    more than a link timeout) and go on at 6; process 2 went on at 8, a round past them,
+    alone: it holds round 6, so it goes back there too."""
+    n, peers = 3, _ports(3)
+    holds, delays = [(4, 6), (4, 6), (6, 8)], (0, 0, 1.6)
+    comms = [zc.ZmqComm(k, peers, "cpu", 10, p2p=True, link_timeout_s=1) for k in range(n)]
+
+    def worker(comm, out, k):
+        time.sleep(delays[k])
+        out[k] = comm.join(holds[k][-1], need_all=False, holds=holds[k])
+
+    try:
+        out = _threads(n, worker, *[(c,) for c in comms])
+    finally:
+        for c in comms:
+            c.close()
+    assert [out.get(k) for k in range(n)] == [6, 6, 6]
 
 
 def test_a_restart_on_standby_rejoins_whatever_its_peers_agreed():

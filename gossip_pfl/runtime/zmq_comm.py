@@ -736,6 +736,11 @@ class ZmqComm:
             self.agreed_round = None
         heard = [r for r in others if r in self._heard]
         start = max([first_round, *(self._heard[r] for r in heard)])  # rejoin (or a start)
+        running = [self._heard[r] for r in heard if not self._said.get(r, (0, ()))[0]]
+        if not wait_round and running and max(running) < first_round and max(running) in holds:
+            # late to a resume the others went on with at an earlier round, one it holds: it
+            # goes back there too (it started a round past them, alone)
+            start = max(running)
         self.set_tag(start, 0)  # queued messages of the rounds skipped are dropped as stale
         if holds:  # the outcome to everyone at once: one still joining must not go on
             self._tell(others, start)  # reading this one's "resuming" hello
