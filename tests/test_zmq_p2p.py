@@ -202,8 +202,11 @@ def test_a_damaged_or_lost_checkpoint_resumes_from_the_latest_kept_one(tmp_path)
     assert checkpoint.load(tmp_path)["rounds_done"] == 4
     (tmp_path / "checkpoint.pt").unlink()
     (tmp_path / "kept/4.pt").write_bytes(b"cut")  # (and the latest kept one damaged)
-    with pytest.warns(UserWarning, match="none there; resuming from kept/2.pt"):
+    with pytest.warns(UserWarning) as said:
         assert tr()._own_checkpoint(tmp_path) == "checkpoint.pt"
+    said = [str(w.message) for w in said]
+    assert len(said) == 2 and "kept/4.pt: not a gossip-pfl checkpoint" in said[0], said
+    assert said[1].endswith("checkpoint.pt: none there; resuming from kept/2.pt"), said
     assert checkpoint.load(tmp_path)["rounds_done"] == 2
     shutil.rmtree(tmp_path / "kept")
     (tmp_path / "checkpoint.pt").unlink()
