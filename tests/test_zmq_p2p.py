@@ -412,8 +412,13 @@ def test_a_late_process_goes_back_to_where_the_others_went_on():
     """Processes 0 and 1 (checkpoints of round 6) decide without process 2 (round 8, late by
     more than a link timeout) and go on at 6; process 2 went on at 8, a round past them,
     alone: it holds round 6, so it goes back there too."""
-    n, peers = 3, _ports(3)
-    holds, delays = [(4, 6), (4, 6), (6, 8)], (0, 0, 1.6)
+    assert _resume_at([(4, 6), (4, 6), (6, 8)], (0, 0, 1.6)) == [6, 6, 6]
+
+
+def _resume_at(holds: list[tuple], delays: tuple) -> list:
+    """The round each process starts at, process k resuming from checkpoints of the rounds
+    ``holds[k]`` (its latest last) ``delays[k]`` seconds after the first (link timeout 1 s)."""
+    n, peers = len(holds), _ports(len(holds))
     comms = [zc.ZmqComm(k, peers, "cpu", 10, p2p=True, link_timeout_s=1) for k in range(n)]
 
     def worker(comm, out, k):
@@ -425,7 +430,7 @@ def test_a_late_process_goes_back_to_where_the_others_went_on():
     finally:
         for c in comms:
             c.close()
-    assert [out.get(k) for k in range(n)] == [6, 6, 6]
+    return [out.get(k) for k in range(n)]
 
 
 def test_a_restart_on_standby_rejoins_whatever_its_peers_agreed():
@@ -466,20 +471,7 @@ def test_processes_resuming_at_different_times_start_at_one_round(delays, expect
     timeout late, the first two started at 6 while the others went back to 4 (each decided
     alone, on the processes it had heard): now those that decide without hearing everyone
     fall back to the rejoin and say so at once, and the others follow them to round 6."""
-    n, peers = 4, _ports(4)
-    holds = [(4, 6), (4, 6), (4, 6), (4,)]
-    comms = [zc.ZmqComm(k, peers, "cpu", 10, p2p=True, link_timeout_s=1) for k in range(n)]
-
-    def worker(comm, out, k):
-        time.sleep(delays[k])
-        out[k] = comm.join(holds[k][-1], need_all=False, holds=holds[k])
-
-    try:
-        out = _threads(n, worker, *[(c,) for c in comms])
-    finally:
-        for c in comms:
-            c.close()
-    assert [out.get(k) for k in range(n)] == [expected] * n
+    assert _resume_at([(4, 6), (4, 6), (4, 6), (4,)], delays) == [expected] * 4
 
 
 def test_a_dead_peer_loses_only_its_own_links():

@@ -767,21 +767,33 @@ class ZmqComm:
             wait = deadline - time.monotonic()
             if wait <= 0:  # (the silent ones: dead or slow, as lost links then)
                 return True
-            if not self._pull.poll(max(1, int(wait * 1000))):
-                continue
-            got = self._read_header()
+            got = self._next_header(wait)
             if got is None:
                 continue
             mkey, msg = got
             if mkey[2] == HELLO:
                 self._hello(mkey, msg)
                 self._answer_hellos(first_round)
-            elif mkey[2] == ALIVE:
-                self._drain(True)
-            elif mkey[:2] < self.tag:
-                self._drop("stale", mkey, msg, "that operation is over")
             else:
-                self._queue_early(mkey, msg)
+                self._keep_for_later(mkey, msg, stale=mkey[:2] < self.tag)
+
+    def _next_header(self, wait: float):
+        """The next message's header within ``wait`` seconds (None: none came, or it was
+        dropped)."""
+        if not self._pull.poll(max(1, int(wait * 1000))):
+            return None
+        return self._read_header()
+
+    def _keep_for_later(self, mkey, msg: _Msg, stale: bool) -> None:
+        """A joining process's message that is no hello: a keepalive (a running peer waiting
+        on another: nothing for it), one of an operation that is over (``stale``: dropped), or
+        one for an operation to come (queued)."""
+        if mkey[2] == ALIVE:
+            self._drain(True)
+        elif stale:
+            self._drop("stale", mkey, msg, "that operation is over")
+        else:
+            self._queue_early(mkey, msg)
 
     def _resume_round(
         self, holds: tuple[int, ...], heard: list[int], others: list[int]
@@ -855,10 +867,7 @@ class ZmqComm:
                     f"rank {self.rank}: the running peers did not reach round {wait_round} "
                     f"within runtime.timeout_s = {self.timeout_s:g} s of their last answer"
                 )
-            wait = min(deadline, announced + every) - now
-            if not self._pull.poll(max(1, int(wait * 1000))):
-                continue
-            got = self._read_header()
+            got = self._next_header(min(deadline, announced + every) - now)
             if got is None:
                 continue
             mkey, msg = got
@@ -881,12 +890,9 @@ class ZmqComm:
                 # run can pass that round and end between two announcements, unheard
                 if not need_all and mkey[0] < wait_round and (before is None or mkey[0] > before):
                     self._hello_to(msg.sender, first_round, reply=True)
-            elif mkey[2] == ALIVE:  # a running peer waiting on another: nothing for us
-                self._drain(True)
-            elif mkey[:2] < self.tag or mkey[0] < self._running_round():
-                self._drop("stale", mkey, msg, "that operation is over")
             else:
-                self._queue_early(mkey, msg)
+                stale = mkey[:2] < self.tag or mkey[0] < self._running_round()
+                self._keep_for_later(mkey, msg, stale)
 
     def _settle(
         self, key, recvs: dict[int, torch.Tensor], sends: set[int], trackers, down=frozenset()
