@@ -17,10 +17,12 @@ into the usual RUN_DIR/metrics.jsonl and summary.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -201,6 +203,12 @@ def _check_workload(cfg: RunConfig) -> None:
 def _training_peers(dataset) -> int:
     """The run's peers: its clients less the unseen ones."""
     return len(dataset.clients) - len(getattr(dataset, "unseen", []) or [])
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
 
 
 def _alive(pid: int) -> bool:
@@ -406,9 +414,23 @@ def _launch(run_dir: Path, argvs: list[list[str]], restarts: dict[int, int]) -> 
             cmd = [sys.executable, "-m", "gossip_pfl", *argv]
             return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
+    running: dict = {}  # (filled by _watch: a SIGTERM passes on to them)
+    terminated = []
+
+    def on_sigterm(signum, frame):  # as a Ctrl-C, the processes told to stop (SIGTERM to the
+        terminated.append(signum)  # launcher alone, e.g. from `timeout`, left them running,
+        raise KeyboardInterrupt  # and said nothing)
+
+    old = signal.signal(signal.SIGTERM, on_sigterm) if _main_thread() else None
     try:
-        codes = _watch(start, len(argvs), restarts)
+        codes = _watch(start, len(argvs), restarts, running)
     except BaseException as err:  # (Ctrl-C, an error: no start still queued may fork a peer)
+        if terminated:  # each ends its round and saves its checkpoint, as on Ctrl-C
+            for proc in running.values():
+                with contextlib.suppress(OSError):
+                    os.kill(proc.pid, signal.SIGTERM)
+            for proc in running.values():
+                proc.wait()
         # the hint first: a second Ctrl-C while the server closes cannot lose it
         if isinstance(err, KeyboardInterrupt):
             print(f"gossip-pfl: to continue: gossip-pfl peers-local --resume {run_dir} (or "
@@ -416,10 +438,15 @@ def _launch(run_dir: Path, argvs: list[list[str]], restarts: dict[int, int]) -> 
                   f"gossip-pfl merge {run_dir}; docs/p2p.md)", file=sys.stderr)  # fmt: skip
         if server is not None:
             server.close(abort=True)
+        if terminated:
+            return 128 + signal.SIGTERM
         raise
     else:
         if server is not None:
             server.close()
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGTERM, old)
     failed = {k: c for k, c in codes.items() if c not in (0, KILLED_EXIT)}
     if failed:
         k, code = sorted(failed.items())[0]
@@ -441,10 +468,13 @@ def _launch(run_dir: Path, argvs: list[list[str]], restarts: dict[int, int]) -> 
 RESUME_COMMANDS = "resume.txt"
 
 
-def _watch(start, n: int, restarts: dict[int, int]) -> dict[int, int]:
+def _watch(start, n: int, restarts: dict[int, int], running: dict | None = None) -> dict[int, int]:
     """Start processes ``0..n-1`` (``start(k, extra_args)``), restart those the kill schedule
-    crashes, and wait for all; their exit codes by id."""
-    running = {k: start(k) for k in range(n)}
+    crashes, and wait for all; their exit codes by id. ``running``: filled with the processes
+    still running, by id."""
+    running = {} if running is None else running
+    for k in range(n):
+        running[k] = start(k)
     # a restart's process starts now, on standby: it loads its data, takes the port once the
     # crashed process has exited (and been reaped), then waits for the others to reach the
     # restart round

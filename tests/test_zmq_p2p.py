@@ -841,7 +841,7 @@ def test_ctrl_c_of_peers_local_says_where_each_process_says_how_to_go_on(tmp_pat
     logs/resume.txt from the start (a process killed outright prints none; docs/p2p.md)."""
     from gossip_pfl import cli_peer
 
-    def interrupted(start, n, restarts):
+    def interrupted(start, n, restarts, running):
         raise KeyboardInterrupt
 
     monkeypatch.setattr(cli_peer, "_watch", interrupted)
@@ -856,6 +856,42 @@ def test_ctrl_c_of_peers_local_says_where_each_process_says_how_to_go_on(tmp_pat
         assert argv[:2] == ["gossip-pfl", "peer"] and argv[-3:] == ["--id", str(k), "--resume"]
         assert argv[argv.index("--out") + 1] == str(run)
     assert len(commands) == 2
+
+
+def test_sigterm_to_peers_local_stops_its_processes_as_ctrl_c_does(tmp_path, capsys,
+                                                                   monkeypatch):  # fmt: skip
+    """SIGTERM to the launcher alone (`timeout`, a scheduler) ended it without a word, its
+    processes left running: it now passes the signal on (each ends its round, saves its
+    checkpoint), waits for them, says how to go on and exits 143."""
+    import signal
+
+    child = subprocess.Popen([sys.executable, "-c", "import signal, sys, time; "
+                              "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143)); "
+                              "print('up', flush=True); time.sleep(60)"],
+                             stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert child.stdout.readline().strip() == "up"
+
+    def terminated(start, n, restarts, running):
+        running[0] = child  # (a process of the run)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(30)  # (the launcher's handler raises before this ends)
+
+    def unhandled(signum, frame):  # (without the launcher's own handler: a failure, not the
+        raise AssertionError("SIGTERM reached the default handler")  # test worker killed)
+
+    monkeypatch.setattr(cli_peer, "_watch", terminated)
+    run = tmp_path / "run"
+    before = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        code = main(["peers-local", str(_config(tmp_path)), "-n", "2", "--out", str(run)])
+        assert signal.getsignal(signal.SIGTERM) is unhandled  # (given back)
+    finally:
+        signal.signal(signal.SIGTERM, before)
+        if child.poll() is None:
+            child.kill()
+    assert code == 143 and child.wait(5) == 143
+    err = capsys.readouterr().err
+    assert f"to continue: gossip-pfl peers-local --resume {run}" in err
 
 
 def test_a_peer_without_test_samples_is_left_out_of_its_process_mean(tmp_path):
