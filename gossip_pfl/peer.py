@@ -114,9 +114,9 @@ class PeerTrainer(Trainer):
 
     def _own_checkpoint(self, out: Path) -> str | None:
         """The checkpoint to resume from: checkpoint.pt, or where it is damaged or gone, the
-        latest whole kept one (the same state at a multiple of checkpoint_every: the process
-        restarted from round 0 and its peers skipped the rounds between; a damaged one failed
-        that process alone, the others ran on without it); None: none at all."""
+        latest whole kept one, put in its place (a lost one restarted the process from round 0,
+        its peers skipping the rounds between; a damaged one failed that process alone, the
+        others running on without it); None: none at all."""
         why = checkpoint.verify(out) if (out / checkpoint.FILE).is_file() else "none there"
         if why is None:
             return checkpoint.FILE
