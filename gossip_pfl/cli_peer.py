@@ -40,13 +40,14 @@ from gossip_pfl.errors import KILLED_EXIT, GossipError
 from gossip_pfl.metrics import score_entries
 from gossip_pfl.rundir import (
     CHECKPOINT_FILE,
-    KEPT,
     REJOINS,
     RunLock,
+    SigtermAsInterrupt,
     check_out_dir,
     check_processes_stopped,
     clear_outputs,
     is_peer_run,
+    kept_rounds,
     read_rows,
     rewrite_rows,
     write,
@@ -205,12 +206,6 @@ def _training_peers(dataset) -> int:
     return len(dataset.clients) - len(getattr(dataset, "unseen", []) or [])
 
 
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)  # signal 0: is it there (a zombie counts until its parent reaps it)
@@ -275,8 +270,7 @@ def cmd_peers_local(args: argparse.Namespace) -> int:
                 (run_dir / name).unlink(missing_ok=True)
             clear_outputs(run_dir)
         (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        peers = run_dir / "peers.yaml"
-        peers.write_text("".join(f"{k}: 127.0.0.1:{p}\n" for k, p in enumerate(free_ports(args.n))))
+        peers = _write_peers(run_dir, args.n)
         base = ["peer", args.config, "--peers", str(peers), "--out", str(run_dir), "--quiet"]
         for o in args.overrides:
             base += ["--set", o]
@@ -330,8 +324,7 @@ def _resume_local(args: argparse.Namespace) -> int:
     with _holding(run_dir):  # (its launcher still going: refused before anything is touched)
         # the old ports may be taken now: all restart on new ones; and the commands that
         # continue each process, as they now are (the folder may have moved)
-        ports = free_ports(len(configs))
-        write_text(peers, "".join(f"{k}: 127.0.0.1:{p}\n" for k, p in enumerate(ports)))
+        _write_peers(run_dir, len(configs))
         write_text(run_dir / "logs" / RESUME_COMMANDS,
                    "".join(f"gossip-pfl {shlex.join(a)}\n" for a in argvs))  # fmt: skip
         return _launch(run_dir, argvs, restarts)
@@ -343,19 +336,20 @@ def _check_rounds(run_dir: Path, n: int, rounds: int) -> None:
     from gossip_pfl import checkpoint  # (torch: only when rounds changes)
 
     for k in range(n):
-        folder = run_dir / "peers" / str(k)
-        if checkpoint.verify(folder) is None:
-            done = checkpoint.load(folder).get("rounds_done")
-            if isinstance(done, int) and done > rounds:
-                raise GossipError(f"--set rounds={rounds}: process {k}'s checkpoint is of "
-                                  f"round {done}; give rounds >= {done}")  # fmt: skip
+        try:  # (read once; a damaged or missing one is the process's own to say)
+            done = checkpoint.load(run_dir / "peers" / str(k)).get("rounds_done")
+        except GossipError:
+            continue
+        if isinstance(done, int) and done > rounds:
+            raise GossipError(f"--set rounds={rounds}: process {k}'s checkpoint is of "
+                              f"round {done}; give rounds >= {done}")  # fmt: skip
 
 
 def _earliest(folder: Path) -> int:
     """The earliest round a process's folder can resume at: its oldest kept checkpoint (0
     without a checkpoint; its own checkpoint's round is not read here, which needs torch)."""
-    kept = [int(p.stem) for p in (folder / KEPT).glob("*.pt") if p.stem.isdigit()]
-    return min(kept, default=0) if (folder / CHECKPOINT_FILE).is_file() else 0
+    kept = kept_rounds(folder) if (folder / CHECKPOINT_FILE).is_file() else []
+    return kept[0] if kept else 0
 
 
 def _check_finished(run_dir: Path, configs: list[Path], rounds: int) -> None:
@@ -374,6 +368,13 @@ def _finished(summary: Path, rounds: int) -> bool:
         return json.loads(summary.read_text()).get("round") == rounds
     except (OSError, ValueError, AttributeError):
         return False
+
+
+def _write_peers(run_dir: Path, n: int) -> Path:
+    """RUN_DIR/peers.yaml: ``n`` processes on free loopback ports; its path."""
+    peers = run_dir / "peers.yaml"
+    write_text(peers, "".join(f"{k}: 127.0.0.1:{p}\n" for k, p in enumerate(free_ports(n))))
+    return peers
 
 
 @contextmanager
@@ -415,38 +416,32 @@ def _launch(run_dir: Path, argvs: list[list[str]], restarts: dict[int, int]) -> 
             return subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
 
     running: dict = {}  # (filled by _watch: a SIGTERM passes on to them)
-    terminated = []
-
-    def on_sigterm(signum, frame):  # as a Ctrl-C, the processes told to stop (SIGTERM to the
-        terminated.append(signum)  # launcher alone, e.g. from `timeout`, left them running,
-        raise KeyboardInterrupt  # and said nothing)
-
-    old = signal.signal(signal.SIGTERM, on_sigterm) if _main_thread() else None
-    try:
-        codes = _watch(start, len(argvs), restarts, running)
-    except BaseException as err:  # (Ctrl-C, an error: no start still queued may fork a peer)
-        if terminated:  # each ends its round and saves its checkpoint, as on Ctrl-C
-            for proc in running.values():
-                with contextlib.suppress(OSError):
-                    os.kill(proc.pid, signal.SIGTERM)
-            for proc in running.values():
-                proc.wait()
-        # the hint first: a second Ctrl-C while the server closes cannot lose it
-        if isinstance(err, KeyboardInterrupt):
-            print(f"gossip-pfl: to continue: gossip-pfl peers-local --resume {run_dir} (or "
-                  f"run every command of {run_dir / 'logs' / RESUME_COMMANDS} at once, then "
-                  f"gossip-pfl merge {run_dir}; docs/p2p.md)", file=sys.stderr)  # fmt: skip
-        if server is not None:
-            server.close(abort=True)
-        if terminated:
-            return 128 + signal.SIGTERM
-        raise
-    else:
-        if server is not None:
-            server.close()
-    finally:
-        if old is not None:
-            signal.signal(signal.SIGTERM, old)
+    # SIGTERM to the launcher alone (`timeout`, a scheduler) as a Ctrl-C: it left its
+    # processes running and said nothing
+    with SigtermAsInterrupt() as term:
+        try:
+            codes = _watch(start, len(argvs), restarts, running)
+        except BaseException as err:  # (Ctrl-C, an error: no start still queued may fork one)
+            if term.received:  # each ends its round and saves its checkpoint, as on Ctrl-C
+                for proc in running.values():
+                    with contextlib.suppress(OSError):
+                        os.kill(proc.pid, signal.SIGTERM)
+                for proc in running.values():
+                    proc.wait()
+            # the hint first: a second Ctrl-C while the server closes cannot lose it
+            if isinstance(err, KeyboardInterrupt):
+                commands = run_dir / "logs" / RESUME_COMMANDS
+                print(f"gossip-pfl: to continue: gossip-pfl peers-local --resume {run_dir} (or "
+                      f"run every command of {commands} at once, then gossip-pfl merge "
+                      f"{run_dir}; docs/p2p.md)", file=sys.stderr)  # fmt: skip
+            if server is not None:
+                server.close(abort=True)
+            if term.received:
+                return 128 + signal.SIGTERM
+            raise
+        else:
+            if server is not None:
+                server.close()
     failed = {k: c for k, c in codes.items() if c not in (0, KILLED_EXIT)}
     if failed:
         k, code = sorted(failed.items())[0]

@@ -57,7 +57,7 @@ def default_config() -> dict:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from gossip_pfl.rundir import RunStopped, check_out_dir, is_peer_run
+    from gossip_pfl.rundir import RunStopped, SigtermAsInterrupt, check_out_dir, is_peer_run
 
     overrides = list(args.overrides) + ([path_override("out", args.out)] if args.out else [])
     if args.resume:
@@ -118,17 +118,15 @@ def cmd_run(args: argparse.Namespace) -> int:
                 v = " ".join(f"{w:.3f}" for w in v)
             form = workload.summary_formats.get(k, ".4f")
             print(f"  {k:<{width}}  {v:{form}}" if isinstance(v, float) else f"  {k:<{width}}  {v}")
-        got = []  # (a SIGTERM while they are drawn: as a Ctrl-C, exit 143; it said nothing)
-        old = _on_sigterm(lambda signum, frame: got.append(signum) or _interrupt())
-        try:  # (after the results: a Ctrl-C while they are drawn loses nothing else)
-            plots = [] if args.no_plots else workload.write_plots(Path(cfg.out))
-        except KeyboardInterrupt:
-            print(f"gossip-pfl: interrupted while drawing the figures; the run is finished "
-                  f"({Path(cfg.out) / 'summary.json'}): draw them with gossip-pfl plot "
-                  f"{cfg.out}", file=sys.stderr)  # fmt: skip
-            return 143 if got else 130
-        finally:
-            _on_sigterm(old)
+        # (after the results: a Ctrl-C, or SIGTERM, while they are drawn loses nothing else)
+        with SigtermAsInterrupt() as term:
+            try:
+                plots = [] if args.no_plots else workload.write_plots(Path(cfg.out))
+            except KeyboardInterrupt:
+                print(f"gossip-pfl: interrupted while drawing the figures; the run is finished "
+                      f"({Path(cfg.out) / 'summary.json'}): draw them with gossip-pfl plot "
+                      f"{cfg.out}", file=sys.stderr)  # fmt: skip
+                return 143 if term.received else 130
         if plots:
             print(f"plots: {plots[0].parent}/ ({', '.join(p.name for p in plots)})")
     return 0
@@ -138,17 +136,3 @@ def _is_rank0() -> bool:
     from gossip_pfl.runtime.comm import world_from_env
 
     return world_from_env()[0] == 0
-
-
-def _interrupt() -> None:
-    raise KeyboardInterrupt
-
-
-def _on_sigterm(handler):
-    """Set SIGTERM's handler (in the main thread only); returns the one it replaces."""
-    import signal
-    import threading
-
-    if threading.current_thread() is not threading.main_thread() or handler is None:
-        return None
-    return signal.signal(signal.SIGTERM, handler)

@@ -70,7 +70,7 @@ class PeerTrainer(Trainer):
         kept = Path(out) / rundir.KEPT
         rundir.write(kept, lambda p: p.mkdir(exist_ok=True))
         rundir.write(kept / f"{rounds_done}.pt", partial(_link, Path(out) / checkpoint.FILE))
-        for r in _kept_rounds(out)[: -self.keep()]:
+        for r in rundir.kept_rounds(out)[: -self.keep()]:
             rundir.write(kept / f"{r}.pt", lambda p: p.unlink(missing_ok=True))
 
     def keep(self) -> int:
@@ -99,7 +99,7 @@ class PeerTrainer(Trainer):
         self.links = open(Path(out) / "links.jsonl", "a", buffering=1)  # noqa: SIM115
         if first == self.cfg.rounds:  # finished, stopped before its summary: nobody to join
             return first, rows
-        kept = [r for r in _kept_rounds(out) if r < first][-(KEEP_MOST - 1) :]  # (the latest)
+        kept = [r for r in rundir.kept_rounds(out) if r < first][-(KEEP_MOST - 1) :]  # (the latest)
         holds = [r for r in kept if self._intact(Path(out), r)] + [first]
         start = self.comm.join(first, need_all=False, wait_round=self.wait_round, holds=holds)
         if start < first:  # the others stopped earlier: go back to where they all can go on
@@ -117,14 +117,15 @@ class PeerTrainer(Trainer):
         latest whole kept one, put in its place (a lost one restarted the process from round 0,
         its peers skipping the rounds between; a damaged one failed that process alone, the
         others running on without it); None: none at all."""
-        why = checkpoint.verify(out) if (out / checkpoint.FILE).is_file() else "none there"
+        there = (out / checkpoint.FILE).is_file()
+        if not rundir.kept_rounds(out):  # nothing to fall back on: read once, by the restore
+            return checkpoint.FILE if there else None  # (which names the damage)
+        why = checkpoint.verify(out) if there else "none there"
         if why is None:
             return checkpoint.FILE
-        kept = [r for r in _kept_rounds(out) if self._intact(out, r)]
+        kept = [r for r in rundir.kept_rounds(out) if self._intact(out, r)]
         if not kept:
-            if why != "none there":  # (its own message, as before)
-                return checkpoint.FILE
-            return None
+            return checkpoint.FILE if there else None  # (its own message, as before)
         warnings.warn(f"{out / checkpoint.FILE}: {why if why == 'none there' else 'damaged'}; "
                       f"resuming from kept/{kept[-1]}.pt", stacklevel=2)  # fmt: skip
         rundir.write(out / checkpoint.FILE, partial(_link, out / rundir.KEPT / f"{kept[-1]}.pt"))
@@ -150,7 +151,7 @@ class PeerTrainer(Trainer):
         kept = out / rundir.KEPT
         first, rows = super().restore(out, f"{rundir.KEPT}/{start}.pt")
         rundir.write(out / checkpoint.FILE, partial(_link, kept / f"{start}.pt"))
-        for r in _kept_rounds(out):
+        for r in rundir.kept_rounds(out):
             if r > start:
                 rundir.write(kept / f"{r}.pt", lambda p: p.unlink(missing_ok=True))
         rejoins = rundir.read_rows(out / rundir.REJOINS)  # (of rounds now trained again)
@@ -212,13 +213,6 @@ class PeerTrainer(Trainer):
                 "peers": last["peers"], "rounds": self.cfg.rounds, "round": last["round"],
                 "test_accuracy": last["test_accuracy"], "wall_seconds": wall,
                 "links": dict(self.comm.stats)}  # fmt: skip
-
-
-def _kept_rounds(out: Path) -> list[int]:
-    """The rounds of RUN_DIR/kept/ROUND.pt, ascending."""
-    kept = Path(out) / rundir.KEPT
-    names = (p.stem for p in kept.glob("*.pt")) if kept.is_dir() else ()
-    return sorted(int(n) for n in names if n.isdigit())
 
 
 def _link(source: Path, path: Path) -> None:

@@ -96,6 +96,33 @@ class StopSignals:
             signal.signal(s, handler)
 
 
+class SigtermAsInterrupt:
+    """While in the block, SIGTERM raises KeyboardInterrupt as a Ctrl-C would, and
+    ``received`` says it came (outside a run's loop, where its default action ended the
+    process without a word). Only in the main thread; elsewhere a no-op."""
+
+    def __enter__(self) -> SigtermAsInterrupt:
+        self.received, self._old = False, None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def _handle(self, signum, frame) -> None:
+        self.received = True
+        raise KeyboardInterrupt
+
+    def __exit__(self, *exc) -> None:
+        if self._old is not None:
+            signal.signal(signal.SIGTERM, self._old)
+
+
+def kept_rounds(folder: Path) -> list[int]:
+    """The rounds of a peer process's FOLDER/kept/ROUND.pt, ascending."""
+    kept = Path(folder) / KEPT
+    names = (p.stem for p in kept.glob("*.pt")) if kept.is_dir() else ()
+    return sorted(int(n) for n in names if n.isdigit())
+
+
 def write(path: Path, action) -> None:
     """Run a write of the run's output, turning file-system failures (a full disk, no
     permission, a file where a folder should be) into a one-line error."""
@@ -281,7 +308,7 @@ def clear_outputs(out: Path, keep_checkpoint: bool = False) -> None:
     resume that goes on keeps the checkpoint (``keep_checkpoint``): the summary and figures
     of a finished run taken further are of fewer rounds."""
     checkpoint = () if keep_checkpoint else (out / CHECKPOINT_FILE, out / REJOINS)
-    kept = () if keep_checkpoint or not (out / KEPT).is_dir() else (out / KEPT).glob("*.pt")
+    kept = () if keep_checkpoint else (out / KEPT / f"{r}.pt" for r in kept_rounds(out))
     for path in (out / "summary.json", *checkpoint, *kept,
                  *(out / "plots" / f"{name}.png" for name in FIGURES)):  # fmt: skip
         write(path, lambda p: p.unlink(missing_ok=True))

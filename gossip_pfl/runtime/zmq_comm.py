@@ -734,7 +734,6 @@ class ZmqComm:
             if self._confirmed(others, agreed, first_round):
                 return agreed
             self.agreed_round = None
-        heard = [r for r in others if r in self._heard]
         start = max([first_round, *(self._heard[r] for r in heard)])  # rejoin (or a start)
         running = [self._heard[r] for r in heard if not self._said.get(r, (0, ()))[0]]
         if not wait_round and running and max(running) < first_round and max(running) in holds:
