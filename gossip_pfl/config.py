@@ -628,6 +628,11 @@ def validate(cfg: RunConfig, unread: bool = True) -> None:
     for key, value in _floats(cfg):
         if not math.isfinite(value) and not (key in _INF_NORMS and value == math.inf):
             raise GossipError(f"config key '{key}' must be a finite number (got {value!r})")
+        # the model's steps run in float32: a larger value overflowed with a numpy warning
+        # before the finite check's error
+        if key.startswith(_FLOAT32_SECTIONS) and math.isfinite(value) and abs(value) > _F32_MAX:
+            raise GossipError(f"config key '{key}' must fit in float32, the parameters' "
+                              f"precision (|value| <= {_F32_MAX:.3g}; got {value!r})")  # fmt: skip
     if spec.workload != "model" and (given := _changed("rule", cfg.rule, RuleConfig())):
         raise GossipError(f"config key(s) {given}: rules are for the model workloads; "
                           f"'{a.name}' has its own server step")  # fmt: skip
@@ -756,6 +761,8 @@ def _expfam_checks(cfg: RunConfig) -> list[tuple[bool, str, str]]:
 
 #: the compressors' norms, where .inf is the max norm (the usual choice for dithering)
 _INF_NORMS = ("expfam.norm", "expfam.block_norm")
+_FLOAT32_SECTIONS = ("algorithm.", "rule.", "line_search.")
+_F32_MAX = 3.4028234663852886e38  # numpy.finfo(numpy.float32).max
 
 
 def _floats(cfg, prefix: str = ""):

@@ -42,6 +42,9 @@ def _one_line_error(capsys, argv: list[str], pattern: str) -> None:
         (["data.alpha=1e308"], r"synthetic: alpha must be a number > 0 \(times n_components"),
         (["runtime.faults.seed=-1", "runtime.transport=zmq"], r"runtime.faults.seed.*>= 0"),
         (["runtime.faults.seed=3"], r"runtime.faults.*needs runtime.transport zmq"),
+        # a numpy overflow warning printed before the finite check's error
+        (["algorithm.weight_decay=1e308"], r"'algorithm.weight_decay' must fit in float32"),
+        (["rule.name=fedadam", "rule.eps=1e39"], r"'rule.eps' must fit in float32"),
     ],
 )
 def test_values_past_what_a_run_takes_are_named(tmp_path, capsys, sets, pattern):

@@ -338,9 +338,9 @@ def test_unseen_em_keeps_a_client_whose_solve_failed_as_it_was(monkeypatch):
 
 
 def test_nan_learning_rate_names_round_and_peer(tmp_path):
-    cfg = cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}, lr=1e39)
+    cfg = cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}, lr=3e38)
     with pytest.raises(GossipError, match=r"round \d+: .*peer \d+.*lower the steps: "
-                                          r"algorithm.lr \(now 1e\+39\)$"):  # fmt: skip
+                                          r"algorithm.lr \(now 3e\+38\)$"):  # fmt: skip
         Trainer(cfg, dataset=toy_dataset(8), log=quiet).run()
     # a weight decay that blows up is named (it was blamed on algorithm.lr)
     cfg = cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}, weight_decay=1e10)
@@ -354,9 +354,9 @@ def test_a_bad_round_is_neither_logged_nor_saved(device, tmp_path):
     """On a GPU the finite check is read a round late (at the next round's start, or before a
     log or checkpoint): the error still names the round that went bad, and neither the metrics
     nor a checkpoint holds it."""
-    cfg = cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}, lr=1e39)
+    cfg = cfg_for(tmp_path, "dfedem", schedule={"graph": "ring"}, lr=3e38)
     cfg.eval.every, cfg.checkpoint_every, cfg.runtime.device = 1, 1, device
-    with pytest.raises(GossipError, match=r"round 1: .*\(first: peer 0 on rank 0\)"):
+    with pytest.raises(GossipError, match=r"round 1: .*\(first: peer \d+ on rank 0\)"):
         Trainer(cfg, dataset=toy_dataset(8), log=quiet).run()
     assert not (tmp_path / "checkpoint.pt").exists()
     assert (tmp_path / "metrics.jsonl").read_text() == ""

@@ -965,11 +965,13 @@ def test_a_rule_that_blows_up_the_last_round_is_neither_logged_nor_saved(tmp_pat
     """The models a round's rule made were checked only in the next round's local work: a
     last round's NaN/inf ran on to the summary (exit 0, the accuracy of NaN models). Now a
     log or a checkpoint checks them first, naming the rule's step."""
-    cfg = cfg_for(tmp_path, "fedavgm", rounds=1, rule={"name": "fedavgm", "lr": 1e200})
+    # (the local steps alone stay finite with rule.lr 1; float32 holds rule.lr up to 3.4e38)
+    rule = {"name": "fedavgm", "lr": 3e38}
+    cfg = cfg_for(tmp_path, "fedavgm", rounds=1, algo={"lr": 3}, rule=rule)
     with pytest.raises(
         GossipError,
         match=r"round 1: the parameters .* became NaN/inf; lower "
-        r"the steps: .*rule.lr \(now 1e\+200\)",
+        r"the steps: .*rule.lr \(now 3e\+38\)",
     ):
         trainer_for(cfg).run()
     assert (tmp_path / "metrics.jsonl").read_text() == ""
