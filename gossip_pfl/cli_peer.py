@@ -20,6 +20,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -442,21 +443,30 @@ def _launch(run_dir: Path, argvs: list[list[str]], restarts: dict[int, int]) -> 
         else:
             if server is not None:
                 server.close()
+    lines = [_since(log, size) for log, size in zip(logs, before, strict=True)]
     failed = {k: c for k, c in codes.items() if c not in (0, KILLED_EXIT)}
     if failed:
         k, code = sorted(failed.items())[0]
-        lines = []
-        if logs[k].is_file():
-            with open(logs[k], "rb") as fh:
-                fh.seek(before[k])
-                lines = fh.read().decode(errors="replace").strip().splitlines()
-        raise_code = code if code > 0 else 1
-        last = lines[-1] if lines else f"(nothing in {logs[k]})"
+        last = lines[k][-1] if lines[k] else f"(nothing in {logs[k]})"
         print(f"gossip-pfl: process {k} exited with code {code}: {last}", file=sys.stderr)
-        return raise_code
+        return code if code > 0 else 1
+    # where each went on (a roll-back to the round all held, a rejoin): said in its log only
+    for said in lines:
+        for line in said:
+            if re.match(r"process \d+: (resumes|rejoins) at", line):
+                print(line)
     summary = merge(run_dir)
     _print_summary(summary, run_dir)
     return 0
+
+
+def _since(log: Path, size: int) -> list[str]:
+    """The lines a process's log gained past ``size`` bytes (a resume appends to it)."""
+    if not log.is_file():
+        return []
+    with open(log, "rb") as fh:
+        fh.seek(size)
+        return fh.read().decode(errors="replace").strip().splitlines()
 
 
 #: RUN_DIR/logs/RESUME_COMMANDS: a peers-local run's commands to continue each process

@@ -103,11 +103,15 @@ class PeerTrainer(Trainer):
         holds = [r for r in kept if self._intact(Path(out), r)] + [first]
         start = self.comm.join(first, need_all=False, wait_round=self.wait_round, holds=holds)
         if start < first:  # the others stopped earlier: go back to where they all can go on
-            self.log(f"process {self.comm.rank}: resumes at round {start}, where every process "
-                     f"can go on (its own checkpoint: {first})")  # fmt: skip
+            # said under --quiet too (peers-local's processes): the launcher passes it on
+            print(f"process {self.comm.rank}: resumes at round {start}, where every process "
+                  f"can go on (its own checkpoint: {first})", flush=True)  # fmt: skip
             return self._roll_back(Path(out), start)
         if start > first:  # its peers skip the rounds between: merge says so
-            self.log(f"process {self.comm.rank}: rejoins at round {start} (checkpoint: {first})")
+            print(
+                f"process {self.comm.rank}: rejoins at round {start} (checkpoint: {first})",
+                flush=True,
+            )
             entry = {"checkpoint": first, "start": start}
             rundir.write(Path(out) / rundir.REJOINS, partial(rundir.append_row, row=entry))
         return start, rows

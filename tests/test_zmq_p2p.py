@@ -75,7 +75,7 @@ def _same_results(one: Path, run: Path) -> dict:
     return b
 
 
-def test_peer_processes_equal_one_process(tmp_path):
+def test_peer_processes_equal_one_process(tmp_path, capsys):
     """D-FedEM on the synthetic data: 3 peer processes (3, 3 and 2 peers), merged, against
     the same config in one process (torch transport). Then the same processes stopped at
     different rounds resume together as the uninterrupted run goes on (below)."""
@@ -121,7 +121,12 @@ def test_peer_processes_equal_one_process(tmp_path):
     damaged = bytearray((run / "peers/0/kept/4.pt").read_bytes())
     damaged[-100] ^= 0xFF
     (run / "peers/0/kept/4.pt").write_bytes(bytes(damaged))
+    capsys.readouterr()
     assert main(["peers-local", "--resume", str(run), "--set", "rounds=8"]) == 0
+    said = capsys.readouterr().out  # (in each process's log; the launcher passes it on)
+    for k, first in enumerate((6, 4, 6)):
+        assert f"process {k}: resumes at round 2, where every process can go on (its own " \
+               f"checkpoint: {first})" in said, said  # fmt: skip
     for k in range(3):  # each went back to round 2
         rounds = [json.loads(x)["round"] for x in (run / f"peers/{k}/links.jsonl").open()]
         assert rounds == [*range(6), *range(2, 8)], (k, rounds)
