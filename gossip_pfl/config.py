@@ -402,10 +402,16 @@ def load_config(
 
 
 def _resolve_paths(data: dict, base: Path) -> None:
-    """The schedule file, an inline graph file and the peers file joined to ``base`` and held
-    absolute (an absolute one stays as it is): the run's config.yaml, read again by a resume
-    from its own folder, named them relative to the working folder."""
+    """The schedule file, an inline graph file, the peers file and the data's folders joined
+    to ``base`` and held absolute (an absolute one stays as it is, ``~`` expanded): the run's
+    config.yaml, read again by a resume from its own folder, named them relative to the
+    working folder."""
     base = base.absolute()
+    section = data.get("data")
+    if isinstance(section, dict):  # (a LEAF root beside its config was looked for in the cwd)
+        paths = {k: str(base / Path(v).expanduser()) for k, v in section.items()
+                 if k in ("root", "cache_dir") and isinstance(v, str) and v.strip()}  # fmt: skip
+        data["data"] = {**section, **paths}
     sched = data.get("schedule")
     if isinstance(sched, str) and sched.strip():
         data["schedule"] = str(base / sched)

@@ -83,11 +83,11 @@ DATA_OPTIONS: dict[str, str] = {
     "val_fraction": "share of each client's training samples moved to validation",
     "unseen_fraction": "share of clients held out of training, evaluated apart",
     "cache_dir": "where the generated data is cached (default `$GOSSIP_PFL_CACHE` or "
-    "`~/.cache/gossip-pfl`)",
+    "`~/.cache/gossip-pfl`; relative to the config file)",
     "cache": "read and write the cache",
     # image datasets
-    "root": "folder holding the dataset's files (docs/data.md); fashion_mnist defaults to "
-    "`/usr/share/datasets/fashion-mnist`, the others need it",
+    "root": "folder holding the dataset's files (docs/data.md), relative to the config file; "
+    "fashion_mnist defaults to `/usr/share/datasets/fashion-mnist`, the others need it",
     "partition": "how samples are spread over clients: `{kind: dirichlet, alpha, min_size}`, "
     "`{kind: fedem_mixture, n_components, alpha, min_size}`, "
     "`{kind: pathological, classes_per_client}`; LEAF: `{kind: natural}` (by writer)",

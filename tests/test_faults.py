@@ -191,6 +191,26 @@ def test_a_run_with_a_schedule_file_resumes_from_any_folder(tmp_path, monkeypatc
     assert main(["run", "--resume", "../run2", "--set", "rounds=4", "--quiet", "--no-plots"]) == 0
 
 
+def test_data_folders_are_relative_to_the_config_and_held_absolute(tmp_path, monkeypatch):
+    """data.root and data.cache_dir were read relative to the working folder, whatever the
+    config's folder, and config.yaml kept them relative, so a resume from elsewhere looked in
+    the wrong place; a --set one is relative to the working folder, and ``~`` is expanded."""
+    (tmp_path / "cfg").mkdir()
+    data = {**SMALL["data"], "cache_dir": "cache"}
+    (tmp_path / "cfg" / "x.yaml").write_text(yaml.safe_dump({**SMALL, "data": data}))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "cfg/x.yaml", "--out", "run", "--quiet", "--no-plots"]) == 0
+    assert any((tmp_path / "cfg" / "cache").iterdir()) and not (tmp_path / "cache").exists()
+    held = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["data"]
+    assert held["cache_dir"] == str(tmp_path / "cfg" / "cache")
+    monkeypatch.chdir(tmp_path / "cfg")
+    assert main(["run", "--resume", "../run", "--set", "rounds=4", "--quiet", "--no-plots"]) == 0
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    argv = ["run", "x.yaml", "--set", "data.cache_dir=~/c", "--out", "../run2", "--quiet",
+            "--no-plots"]  # fmt: skip
+    assert main(argv) == 0 and any((tmp_path / "home" / "c").iterdir())
+
+
 def test_overwrite_replaces_the_old_runs_files_once_the_new_run_is_built(tmp_path, capsys):
     """An --overwrite refused for a bad schedule (found once the run is built) keeps the old
     run whole, its checkpoint too (it was deleted first, and a resume then said there was
