@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import threading
+import uuid
 from pathlib import Path
 
 from gossip_pfl.errors import GossipError
@@ -143,8 +144,11 @@ def replace_all(saves: dict) -> None:
     """:func:`replace_with` for files that go together (``{path: save}``): every new file is
     written beside its old one first, and only then are they all put in place, so a failure
     (a full disk) leaves the old set whole. The temporary name keeps the suffix (numpy and
-    matplotlib choose a format by it). An OSError names the file it was writing."""
-    tmps = {Path(path): Path(path).with_name(f".{Path(path).stem}.tmp{Path(path).suffix}")
+    matplotlib choose a format by it) and is the writer's own (two writers of one file, a
+    plot beside a finishing run, moved each other's away). An OSError names the file it was
+    writing."""
+    own = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    tmps = {Path(path): Path(path).with_name(f".{Path(path).stem}.{own}.tmp{Path(path).suffix}")
             for path in saves}  # fmt: skip
     try:
         for (path, save), tmp in zip(saves.items(), tmps.values()):

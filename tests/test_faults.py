@@ -765,3 +765,32 @@ def test_the_command_ends_at_a_second_ctrl_c_while_it_winds_down(monkeypatch):
         assert signal.getsignal(signal.SIGINT) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_two_writers_of_one_file_do_not_take_each_others_temporary(tmp_path):
+    """A plot written beside a finishing run's own plots: both wrote .NAME.tmp.png, one moved
+    the other's away (No such file or directory) or put its half-written file in place.
+    Both writers are held after writing until the other has written too."""
+    import threading
+
+    from gossip_pfl.rundir import replace_all
+
+    both, errors, path = threading.Barrier(2, timeout=10), [], tmp_path / "fig.png"
+
+    def writer(text: str) -> None:
+        def save(tmp: Path) -> None:
+            tmp.write_text(text)
+            both.wait()
+
+        try:
+            replace_all({path: save})
+        except OSError as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=writer, args=(t,)) for t in ("a" * 99, "b")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == [] and path.read_text() in ("a" * 99, "b")
+    assert [p.name for p in tmp_path.iterdir()] == ["fig.png"]
