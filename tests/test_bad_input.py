@@ -97,7 +97,21 @@ def test_a_missing_graph_file_is_said_missing(tmp_path, capsys):
 
 def test_an_empty_fmmc_cache_file_is_solved_again(tmp_path):
     (tmp_path / "w.npy").write_bytes(b"")
-    assert _cached_fmmc(tmp_path / "w.npy", 3) is None
+    u, v = np.array([0, 1, 0]), np.array([1, 2, 2])  # a triangle
+    assert _cached_fmmc(tmp_path / "w.npy", 3, u, v) is None
+
+
+@pytest.mark.parametrize(("w", "kept"), [
+    ([1 / 3, 1 / 3, 1 / 3], True),  # the triangle's fastest-mixing weights
+    ([1 / 3, 1 / 3, 1 / 3 + 1e-7], True),  # the solver's noise (cleaned up after the read)
+    ([0.6, 0.6, 0.6], False),  # each node's weights sum past 1: another rho, unsaid
+    ([np.nan, 0.2, 0.2], False),  # was blamed on the spec's graph ("entry is not finite")
+    ([-0.2, 0.3, 0.3], False),
+])  # fmt: skip
+def test_cached_fmmc_weights_that_are_no_weights_are_solved_again(tmp_path, w, kept):
+    np.save(tmp_path / "w.npy", np.array(w))
+    got = _cached_fmmc(tmp_path / "w.npy", 3, np.array([0, 1, 0]), np.array([1, 2, 2]))
+    assert (got is not None) == kept
 
 
 @pytest.mark.parametrize(

@@ -248,7 +248,7 @@ def fmmc(
         return _symmetric(n, u, v, np.zeros(len(u)), sparse)
     chosen, options = _fmmc_solver(n, solver, solver_options)
     path = _fmmc_path(n, u, v, chosen, options) if cache else None
-    w = _cached_fmmc(path, len(u)) if path else None
+    w = _cached_fmmc(path, n, u, v) if path else None
     if w is None:
         w = _solve_fmmc(n, u, v, chosen, options)
         if path:
@@ -301,14 +301,23 @@ def _fmmc_path(n: int, u: np.ndarray, v: np.ndarray, chosen: str, options: dict)
     return fmmc_cache_dir() / f"n{n}-{h.hexdigest()[:24]}.npy"
 
 
-def _cached_fmmc(path: Path, edges: int) -> np.ndarray | None:
-    """The cached edge weights, or None (not there, unreadable or not this graph's shape: it
-    is only a cache, so the problem is solved again)."""
+#: how far cached weights may stray from feasibility (w >= 0, each node's weights summing to
+#: at most 1) and still be the solver's output: SCS stops at 1e-6
+_CACHE_SLACK = 1e-3
+
+
+def _cached_fmmc(path: Path, n: int, u: np.ndarray, v: np.ndarray) -> np.ndarray | None:
+    """The cached edge weights, or None (not there, unreadable, not this graph's shape, or
+    not weights: it is only a cache, so the problem is solved again; a NaN in it was blamed
+    on the spec's graph, weights of 0.5 gave another rho unsaid)."""
     try:
         w = np.load(path, allow_pickle=False)
     except (OSError, ValueError, EOFError):  # EOFError: an empty file
         return None
-    return w if w.shape == (edges,) and w.dtype == np.float64 else None
+    if w.shape != (len(u),) or w.dtype != np.float64 or not np.isfinite(w).all():
+        return None
+    load = np.bincount(u, weights=w, minlength=n) + np.bincount(v, weights=w, minlength=n)
+    return w if w.min() >= -_CACHE_SLACK and load.max() <= 1 + _CACHE_SLACK else None
 
 
 def _store_fmmc(path: Path, w: np.ndarray) -> None:
