@@ -59,11 +59,19 @@ class Run:
         values = []
         for r in self.rows:
             v = r.get(key)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int | float)):
+            if v is not None and not _is_number(v):
                 raise GossipError(f"{self.path / 'metrics.jsonl'}, round {r['round']}: {key} "
                                   f"is {v!r}, not a number")  # fmt: skip
             values.append(math.nan if v is None else float(v))
         return np.array(values, dtype=float)
+
+    def numbers(self, where: str, key: str, value) -> np.ndarray:
+        """A list of numbers from ``where`` (a file, a round) as floats, null as NaN (a peer
+        that did not report): a string or a boolean in it is named, not read as a number
+        ("0.5" was 0.5, true 1, "a" a category axis)."""
+        if not (isinstance(value, list) and all(x is None or _is_number(x) for x in value)):
+            raise GossipError(f"{where}: {key} is {value!r:.80}, not a list of numbers")
+        return np.array([math.nan if x is None else x for x in value], dtype=float)
 
     @property
     def rounds(self) -> np.ndarray:
@@ -71,12 +79,16 @@ class Run:
 
     def final_client_accuracy(self) -> np.ndarray | None:
         """Per-client test accuracy at the end: summary.json, else the last metrics row."""
-        acc = self.summary.get("client_test_accuracy")
+        acc, where = self.summary.get("client_test_accuracy"), self.path / "summary.json"
         if acc is None:
-            acc = self.rows[-1].get("client_test_accuracy")
-        if acc is None:
-            return None
-        return np.asarray(acc, dtype=float).ravel()
+            last = self.rows[-1]
+            acc, where = last.get("client_test_accuracy"), f"{self.path / 'metrics.jsonl'}, " \
+                                                           f"round {last['round']}"  # fmt: skip
+        return None if acc is None else self.numbers(str(where), "client_test_accuracy", acc)
+
+
+def _is_number(v) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)  # (JSON's true is an int)
 
 
 # --------------------------------------------------------------------------- loading
@@ -440,11 +452,14 @@ PLOTS = dict(
 def mixture_weights(run: Run) -> np.ndarray | None:
     """(rounds, M) mean mixture weight of each component per evaluated round; None for runs
     without mixture weights (one model, or metrics from an older gossip-pfl)."""
+    path = run.path / "metrics.jsonl"
     rows = [r.get("mixture_weights") for r in run.rows]
-    if not any(isinstance(w, list) for w in rows):
+    rows = [w if w is None else run.numbers(f"{path}, round {r['round']}", "mixture_weights", w)
+            for w, r in zip(rows, run.rows)]  # fmt: skip
+    if all(w is None for w in rows):
         return None
-    m = max(len(w) for w in rows if isinstance(w, list))
-    return np.array([w if isinstance(w, list) and len(w) == m else [math.nan] * m for w in rows])
+    m = max(len(w) for w in rows if w is not None)
+    return np.array([w if w is not None and len(w) == m else [math.nan] * m for w in rows])
 
 
 def plot_mixture_weights(runs: list[Run]) -> Figure:

@@ -4,6 +4,7 @@ one-line errors with exit code 2."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -332,17 +333,32 @@ def test_a_run_without_consensus_distances_says_not_recorded(tmp_path):
         ("metrics.jsonl", '{"round": 2, "consensus_distance": "x"}\n'),
         ("metrics.jsonl", '{"round": 2, "client_test_accuracy": {"a": 1}}\n'),
         ("summary.json", '{"client_test_accuracy": "abc"}'),
+        # each drawn as a number, or on a category axis, with exit 0
+        ("metrics.jsonl", '{"round": 2, "mixture_weights": ["a", "b"]}\n'),
+        ("metrics.jsonl", '{"round": 2, "mixture_weights": [true, 0.5]}\n'),
+        ("metrics.jsonl", '{"round": 2, "mixture_weights": {"a": 1}}\n'),
+        ("summary.json", '{"client_test_accuracy": ["0.5", 0.7]}'),
     ],
 )
 def test_a_value_of_the_wrong_type_is_one_line(file, text, tmp_path, capsys):
-    """Each was a ValueError or TypeError traceback from a figure."""
+    """Each was a ValueError or TypeError traceback from a figure, or drawn as if a number."""
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text('{"round": 2}\n')
     (run / file).write_text(text)
     assert main(["plot", str(run), "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "is not a number or list of numbers" in err[0], err
+    assert len(err) == 1 and re.search(r"not a (number|list of numbers)", err[0]), err
+    assert str(run / file) in err[0] or "is not a number or list of numbers" in err[0], err
+
+
+def test_a_peer_that_did_not_report_is_a_gap_in_the_histogram(tmp_path):
+    """A merged peer-to-peer row names null for a peer that did not report: NaN, as before."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"round": 2, "client_test_accuracy": [0.5, null]}\n')
+    acc = plots.load_run(run).final_client_accuracy()
+    assert acc[0] == 0.5 and np.isnan(acc[1])
 
 
 def test_a_run_of_one_evaluated_row_draws_a_visible_point(tmp_path):
