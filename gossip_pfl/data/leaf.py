@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,8 +72,8 @@ def load_leaf(root: str | os.PathLike, kind: str) -> LeafData:
     users = list(train_raw) + [u for u in test_raw if u not in train_raw]
     number = {u: i for i, u in enumerate(users)}
     convert = _femnist_arrays if kind == "femnist" else _shakespeare_arrays
-    train = _pool(kind, train_raw, number, convert)
-    test = _pool(kind, test_raw, number, convert)
+    train = _pool(kind, root / "train", train_raw, number, convert)
+    test = _pool(kind, root / "test", test_raw, number, convert)
     if train.x.shape[1:] != test.x.shape[1:]:  # (a traceback, or test inputs of another length)
         raise GossipError(f"{kind}: train samples have shape {train.x.shape[1:]} but test ones "
                           f"{test.x.shape[1:]} ({root / 'train'}, {root / 'test'})")  # fmt: skip
@@ -133,10 +134,12 @@ def _unique_keys(pairs: list[tuple]) -> dict:
     return dict(pairs)
 
 
-def _pool(kind: str, raw: dict[str, dict], number: dict[str, int], convert) -> LeafSplit:
+def _pool(
+    kind: str, folder: Path, raw: dict[str, dict], number: dict[str, int], convert
+) -> LeafSplit:
     if not raw:
-        raise GossipError(f"{kind}: a split's JSON files hold no user (empty 'user_data')")
-    xs, ys, ws = [], [], []
+        raise GossipError(f"{kind}: the JSON files in {folder} hold no user (empty 'user_data')")
+    xs, ys, ws, who = [], [], [], []
     for user, data in raw.items():
         if not data["x"]:  # (no sample in this split: nothing to add, and no shape to give)
             continue
@@ -147,11 +150,19 @@ def _pool(kind: str, raw: dict[str, dict], number: dict[str, int], convert) -> L
         xs.append(x)
         ys.append(y)
         ws.append(np.full(len(y), number[user], dtype=np.int64))
+        who.append(user)
     if not xs:
-        raise GossipError(f"{kind}: a split's JSON files hold no sample")
-    shapes = {x.shape[1:] for x in xs}
-    if len(shapes) > 1:  # (each user's are checked alone)
-        raise GossipError(f"{kind}: users' samples differ in shape: {sorted(shapes)}")
+        raise GossipError(f"{kind}: the JSON files in {folder} hold no sample (every 'x' is empty)")
+    shapes = [x.shape[1:] for x in xs]
+    counts = Counter(shapes)
+    if len(counts) > 1:  # (each user's are checked alone; the odd one: not of the commonest)
+        usual, n_usual = counts.most_common(1)[0]  # (a tie: the first user's shape)
+        odd = next(i for i, s in enumerate(shapes) if s != usual)
+        raise GossipError(
+            f"{kind}: user {who[odd]!r} has samples of shape {shapes[odd]} but "
+            f"{n_usual} other user(s) in {folder} have {usual} "
+            f"(in {', '.join(raw[who[odd]]['files'])})"
+        )
     return LeafSplit(np.concatenate(xs), np.concatenate(ys), np.concatenate(ws))
 
 
