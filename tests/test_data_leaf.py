@@ -125,6 +125,14 @@ def test_missing_and_bad_files(tmp_path):
         # a traceback (OverflowError), and a count of pixels for ten labels of five images
         ("femnist", {"u": {"x": [[0.5] * 784], "y": [10**400]}}, "int too large to convert"),
         ("femnist", {"u": {"x": [[0.5] * 784] * 5, "y": [[1, 2]] * 5}}, "5 samples but 10 labels"),
+        # strings and booleans were read as numbers: "7" as 7, "0.5" as 0.5, true as 1
+        ("femnist", {"u": {"x": [[0.5] * 784], "y": ["7"]}}, 'label "7" is a JSON string, not a'),
+        ("femnist", {"u": {"x": [[0.5] * 784], "y": [True]}}, "label true is a JSON boolean"),
+        ("femnist", {"u": {"x": [[0.5] * 783 + ["0.5"]], "y": [1]}}, 'pixel "0.5" is a JSON str'),
+        ("femnist", {"u": {"x": [[0.5] * 783 + [True]], "y": [1]}}, "pixel true is a JSON boolean"),
+        ("femnist", {"u": {"x": [[False] * 784], "y": [1]}}, "pixel false is a JSON boolean"),
+        ("femnist", {"u": {"x": [[None] * 783 + ["1"]], "y": [1]}}, 'pixel "1" is a JSON string'),
+        ("femnist", {"u": {"x": [[0.5] * 783 + ["abc"]], "y": [1]}}, 'pixel "abc" is a JSON'),
     ],
 )
 def test_malformed_leaf_files_are_one_line_errors(tmp_path, kind, users, message):
