@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 
 import numpy as np
 import pytest
@@ -237,3 +238,69 @@ def test_odd_shapes_and_empty_splits_name_the_user_file_and_folder(tmp_path):
     with pytest.raises(GossipError) as err:
         leaf.load_leaf(tmp_path, "shakespeare")
     assert f"in {tmp_path / 'test'} hold no sample" in str(err.value)
+
+
+def _shakespeare_writers(root, sizes, test_sizes=None):
+    """Shakespeare writers ``w0, w1, ...`` with ``sizes`` train lines (and ``test_sizes`` test
+    lines; default: none, and one writer with one to keep the test split non-empty)."""
+    line = "a" * 80
+    users = {f"w{k}": {"x": [line] * n, "y": ["b"] * n} for k, n in enumerate(sizes)}
+    _write(root, "train", "a.json", users)
+    test_sizes = test_sizes if test_sizes is not None else [1] + [0] * (len(sizes) - 1)
+    tests = {f"w{k}": {"x": [line] * n, "y": ["b"] * n} for k, n in enumerate(test_sizes) if n}
+    _write(root, "test", "a.json", tests)
+
+
+def test_writers_too_small_for_the_split_are_left_out_with_a_warning(tmp_path):
+    """Shakespeare's default min_samples 2 kept a writer of 2 samples, which 60/20/20 (3: one
+    each) cannot cut: "client 5 has 2 samples, too few for the split (0.6, 0.2, 0.2); use fewer
+    clients, a larger alpha, ..." named no writer and the wrong option. Such writers are now
+    left out (said in a warning and in meta), as those under min_samples are (silently)."""
+    _shakespeare_writers(tmp_path, [4, 3, 2, 1, 5])  # w0: 4 + 1 test; w3: 1, under min_samples
+    with pytest.warns(UserWarning) as said:
+        ds = load_dataset("shakespeare", root=tmp_path)
+    assert [str(w.message) for w in said] == [
+        "shakespeare: 1 of 5 writers left out: 1 with too few samples for the split (0.6, 0.2, "
+        "0.2), which takes at least 3; data.min_samples: 3 leaves such writers out without "
+        "this warning"
+    ]
+    assert ds.meta["users"] == ["w0", "w1", "w4"]
+    assert ds.meta["writers_left_out"] == {"min_samples": 1, "too_few_for_split": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the left out under min_samples are not said
+        ds = load_dataset("shakespeare", root=tmp_path, min_samples=3)
+        assert ds.meta["users"] == ["w0", "w1", "w4"]
+        ds = load_dataset("shakespeare", root=tmp_path, split=[1.0, 0.0, 0.0])  # takes 1
+        assert ds.meta["users"] == ["w0", "w1", "w2", "w4"]
+    # FEMNIST's default min_samples is 1: writers of 1 and 2 samples were errors
+    rng = np.random.default_rng(0)
+    users = {f"w{k}": {"x": rng.random((n, 784)).round(2).tolist(), "y": [1] * n}
+             for k, n in enumerate([2, 1, 2, 4])}  # fmt: skip
+    _write(tmp_path / "f", "train", "a.json", users)
+    _write(tmp_path / "f", "test", "a.json", {"w0": {"x": [[0.5] * 784], "y": [2]}})
+    with pytest.warns(UserWarning, match="femnist: 2 of 4 writers left out: 2 with too few"):
+        ds = load_dataset("femnist", root=tmp_path / "f")
+    assert ds.meta["users"] == ["w0", "w3"] and ds.sizes("test").tolist() == [1, 1]
+    # with leaf_split, the train samples are cut 80/20 into train / val: that takes 2
+    _shakespeare_writers(tmp_path / "l", [2, 1, 3], test_sizes=[1, 1, 1])
+    with pytest.warns(UserWarning, match=r"1 with too few train samples for the split \(0.8, "
+                                         r"0.2, 0.0\), which takes at least 2"):  # fmt: skip
+        ds = load_dataset("shakespeare", root=tmp_path / "l", leaf_split=True)
+    assert ds.meta["users"] == ["w0", "w2"]
+
+
+def test_writers_left_out_are_named_when_too_few_remain(tmp_path):
+    _shakespeare_writers(tmp_path, [4, 2, 2])
+    with pytest.warns(UserWarning), pytest.raises(GossipError) as err:
+        load_dataset("shakespeare", root=tmp_path, n_clients=2)
+    assert str(err.value) == (
+        "shakespeare: n_clients must be in 1..1 (writers available), got 2; left out: 2 with "
+        "too few samples for the split (0.6, 0.2, 0.2), which takes at least 3"
+    )
+    _shakespeare_writers(tmp_path / "s", [1, 1, 1])  # (w0 has 1 more, in test)
+    with pytest.raises(GossipError) as err:
+        load_dataset("shakespeare", root=tmp_path / "s")
+    assert str(err.value) == (
+        "shakespeare: all 3 writers are left out: 1 with too few samples for the split (0.6, "
+        "0.2, 0.2), which takes at least 3; 2 with fewer than min_samples = 2"
+    )

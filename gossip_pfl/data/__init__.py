@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -49,7 +50,8 @@ _LEAF_DEFAULTS: dict[str, Any] = {
     "split": partition.DEFAULT_SPLIT,
     "unseen_fraction": 0.0,
     "writer_fraction": 1.0,  # FedEM used 15% of FEMNIST's writers
-    "min_samples": 1,  # writers with fewer samples are dropped (FedEM: 2 for Shakespeare)
+    "min_samples": 1,  # writers with fewer samples are dropped (FedEM: 2 for Shakespeare); so
+    # are those too small for the split (3 for 60/20/20), with a warning
     "leaf_split": False,  # True: keep LEAF's train/test files as train(+val)/test
 }
 _PARTITION_KEYS = {
@@ -173,14 +175,18 @@ def _leaf_dataset(kind: str, **given: Any) -> FederatedDataset:
     opts = _options(kind, defaults, given)
     if dict(opts["partition"]) != {"kind": "natural"}:
         raise GossipError(f"{kind}: only partition.kind 'natural' (by writer) is supported")
+    if opts["leaf_split"] and "split" not in given:
+        opts["split"] = (0.8, 0.2, 0.0)
+    split = partition._check_split(opts["split"], opts["leaf_split"])
     data = leaf.load_leaf(opts["root"], kind)
-    writers = _choose_writers(kind, data, opts)
+    writers, left_out = _choose_writers(kind, data, opts, split)
     renumber = np.full(len(data.users), -1, dtype=np.int64)
     renumber[writers] = np.arange(len(writers))
     meta = {
         **data.meta,
         "partition": {"kind": "natural"},
         "users": [data.users[w] for w in writers],
+        "writers_left_out": left_out,
     }
     common = {
         "seed": opts["seed"],
@@ -188,32 +194,60 @@ def _leaf_dataset(kind: str, **given: Any) -> FederatedDataset:
         "name": kind,
         "num_classes": data.num_classes,
         "meta": meta,
+        "split": split,
     }
     if opts["leaf_split"]:
         train_x, train_y, train_w = _select(data.train, renumber)
         test_x, test_y, test_w = _select(data.test, renumber)
-        split = opts["split"] if "split" in given else (0.8, 0.2, 0.0)
         test_from = (test_x, test_y, partition.by_writer(test_w, len(writers)))
         parts = partition.by_writer(train_w, len(writers))
-        return partition.build_federated(
-            train_x, train_y, parts, split=split, test_from=test_from, **common
-        )
+        return partition.build_federated(train_x, train_y, parts, test_from=test_from, **common)
     x = np.concatenate([data.train.x, data.test.x])
     y = np.concatenate([data.train.y, data.test.y])
     w = renumber[np.concatenate([data.train.writer, data.test.writer])]
     keep = np.flatnonzero(w >= 0)
     parts = partition.by_writer(w[keep], len(writers))
-    return partition.build_federated(x[keep], y[keep], parts, split=opts["split"], **common)
+    return partition.build_federated(x[keep], y[keep], parts, **common)
 
 
-def _choose_writers(kind: str, data: leaf.LeafData, opts: dict[str, Any]) -> np.ndarray:
-    """Writers with at least ``min_samples`` samples, then a seeded subset; sorted ids."""
-    counts = np.bincount(data.train.writer, minlength=len(data.users))
-    counts += np.bincount(data.test.writer, minlength=len(data.users))
-    writers = np.flatnonzero(counts >= opts["min_samples"])
-    if not len(writers):  # (else: "unseen_fraction 0.0 leaves no client ... out of 0")
+def _choose_writers(
+    kind: str, data: leaf.LeafData, opts: dict[str, Any], split: tuple[float, float, float]
+) -> tuple[np.ndarray, dict[str, int]]:
+    """Writers that can be clients, then a seeded subset: (sorted ids, number left out per
+    reason).
+
+    Left out, besides writers under ``min_samples``: those whose samples ``split`` cannot
+    fill (60/20/20 takes 3, one each; with ``leaf_split`` their train samples and 80/20/0,
+    2). These are said in a warning; the ones under ``min_samples`` are not, as before."""
+    n_users = len(data.users)
+    train = np.bincount(data.train.writer, minlength=n_users)
+    test = np.bincount(data.test.writer, minlength=n_users)
+    counts = train + test
+    low = counts < opts["min_samples"]
+    if low.all():  # (else: "unseen_fraction 0.0 leaves no client ... out of 0")
         raise GossipError(f"{kind}: no writer has min_samples = {opts['min_samples']} samples "
                           f"(the most any has: {counts.max(initial=0)})")  # fmt: skip
+    fits = _fit_split(kind, train if opts["leaf_split"] else counts, split)
+    kept = ~low
+    out = {"too_few_for_split": kept & ~fits}  # (writers left out, min_samples aside, by why)
+    kept &= fits
+    need = _split_takes(kind, split, counts.max())
+    what = "train samples" if opts["leaf_split"] else "samples"
+    phrases = {"too_few_for_split": f"too few {what} for the split {split}, which takes at "
+                                    f"least {need}"}  # fmt: skip
+    said = "; ".join(f"{int(m.sum())} with {phrases[k]}" for k, m in out.items() if m.any())
+    left_out = {"min_samples": int(low.sum()), **{k: int(m.sum()) for k, m in out.items()}}
+    writers = np.flatnonzero(kept)
+    if not len(writers):
+        if low.any():
+            said += f"; {int(low.sum())} with fewer than min_samples = {opts['min_samples']}"
+        raise GossipError(f"{kind}: all {n_users} writers are left out: {said}")
+    if said:
+        hint = ""
+        if out["too_few_for_split"].any() and opts["min_samples"] < need:
+            hint = f"; data.min_samples: {need} leaves such writers out without this warning"
+        warnings.warn(f"{kind}: {n_users - len(writers) - int(low.sum())} of {n_users} writers "
+                      f"left out: {said}{hint}", stacklevel=5)  # fmt: skip
     rng = np.random.default_rng([opts["seed"], 0x1EAF])
     if opts["writer_fraction"] != 1.0:
         if not 0 < opts["writer_fraction"] <= 1:
@@ -225,10 +259,30 @@ def _choose_writers(kind: str, data: leaf.LeafData, opts: dict[str, Any]) -> np.
         if not 1 <= opts["n_clients"] <= len(writers):
             raise GossipError(
                 f"{kind}: n_clients must be in 1..{len(writers)} (writers available), "
-                f"got {opts['n_clients']}"
+                f"got {opts['n_clients']}" + (f"; left out: {said}" if said else "")
             )
         writers = rng.permutation(writers)[: opts["n_clients"]]
-    return np.sort(writers)
+    return np.sort(writers), left_out
+
+
+def _fit_split(kind: str, counts: np.ndarray, split: tuple[float, float, float]) -> np.ndarray:
+    """Which of ``counts`` samples ``build_federated`` can cut into ``split`` (its own rule,
+    asked once per distinct count)."""
+    fits = {int(n): _split_fits(kind, int(n), split) for n in np.unique(counts)}
+    return np.array([fits[int(n)] for n in counts], dtype=bool)
+
+
+def _split_fits(kind: str, n: int, split: tuple[float, float, float]) -> bool:
+    try:
+        partition._split_client(kind, 0, np.arange(n), split, np.random.default_rng(0))
+    except GossipError:
+        return False
+    return True
+
+
+def _split_takes(kind: str, split: tuple[float, float, float], most: int) -> int:
+    """The fewest samples ``split`` can cut (looked for up to ``most``, then ``most + 1``)."""
+    return next((n for n in range(1, most + 1) if _split_fits(kind, n, split)), most + 1)
 
 
 def _select(split: leaf.LeafSplit, renumber: np.ndarray):
