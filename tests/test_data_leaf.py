@@ -304,3 +304,43 @@ def test_writers_left_out_are_named_when_too_few_remain(tmp_path):
         "shakespeare: all 3 writers are left out: 1 with too few samples for the split (0.6, "
         "0.2, 0.2), which takes at least 3; 2 with fewer than min_samples = 2"
     )
+
+
+def test_leaf_split_leaves_out_writers_missing_from_a_split(tmp_path):
+    """With leaf_split, a writer with train samples but none in LEAF's test files was "by_writer
+    partition leaves client 2 of 5 with no samples; drop writers without samples": no writer,
+    no split, and an option that does not exist. It is now left out (said in a warning); too
+    few writers left for n_clients, or none (LEAF's '-t user' files), is an error saying so."""
+    _shakespeare_writers(tmp_path, [4, 4, 4, 0], test_sizes=[1, 0, 2, 3])
+    with pytest.warns(UserWarning) as said:
+        ds = load_dataset("shakespeare", root=tmp_path, leaf_split=True)
+    assert [str(w.message) for w in said] == [
+        f"shakespeare: 2 of 4 writers left out: 1 with no sample in LEAF's train split "
+        f"({tmp_path / 'train'}); 1 with no sample in LEAF's test split ({tmp_path / 'test'})"
+    ]
+    assert ds.meta["users"] == ["w0", "w2"] and ds.sizes("test").tolist() == [1, 2]
+    assert ds.meta["writers_left_out"] == {
+        "min_samples": 0,
+        "no_train_samples": 1,
+        "no_test_samples": 1,
+        "too_few_for_split": 0,
+    }
+    with pytest.warns(UserWarning), pytest.raises(GossipError) as err:
+        load_dataset("shakespeare", root=tmp_path, leaf_split=True, n_clients=3)
+    assert str(err.value).startswith(
+        "shakespeare: n_clients must be in 1..2 (writers available), got 3; left out: 1 with "
+        f"no sample in LEAF's train split ({tmp_path / 'train'}); 1 with no sample in LEAF's "
+        f"test split ({tmp_path / 'test'})"
+    )
+    with warnings.catch_warnings():  # (pooled, every writer is a client)
+        warnings.simplefilter("error")
+        assert load_dataset("shakespeare", root=tmp_path).n_clients == 4
+    _shakespeare_writers(tmp_path / "u", [4, 4, 0], test_sizes=[0, 0, 3])  # LEAF's -t user
+    with pytest.raises(GossipError) as err:
+        load_dataset("shakespeare", root=tmp_path / "u", leaf_split=True)
+    assert str(err.value) == (
+        f"shakespeare: all 3 writers are left out: 1 with no sample in LEAF's train split "
+        f"({tmp_path / 'u' / 'train'}); 2 with no sample in LEAF's test split "
+        f"({tmp_path / 'u' / 'test'}); data.leaf_split needs writers with samples in both "
+        "splits (LEAF's '-t sample'; '-t user' puts each writer in one alone): set it to false"
+    )

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 import os
 import warnings
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -52,7 +53,7 @@ _LEAF_DEFAULTS: dict[str, Any] = {
     "writer_fraction": 1.0,  # FedEM used 15% of FEMNIST's writers
     "min_samples": 1,  # writers with fewer samples are dropped (FedEM: 2 for Shakespeare); so
     # are those too small for the split (3 for 60/20/20), with a warning
-    "leaf_split": False,  # True: keep LEAF's train/test files as train(+val)/test
+    "leaf_split": False,  # True: keep LEAF's train/test files as train(+val)/test; writers in both
 }
 _PARTITION_KEYS = {
     "dirichlet": {"alpha": 0.4, "min_size": 0},  # min_size 0: only non-empty clients
@@ -216,9 +217,10 @@ def _choose_writers(
     """Writers that can be clients, then a seeded subset: (sorted ids, number left out per
     reason).
 
-    Left out, besides writers under ``min_samples``: those whose samples ``split`` cannot
-    fill (60/20/20 takes 3, one each; with ``leaf_split`` their train samples and 80/20/0,
-    2). These are said in a warning; the ones under ``min_samples`` are not, as before."""
+    Left out, besides writers under ``min_samples``: with ``leaf_split``, those with no sample
+    in LEAF's train or test files; those whose samples ``split`` cannot fill (60/20/20 takes
+    3, one each; with ``leaf_split`` their train samples and 80/20/0, 2). These are said in
+    a warning; the ones under ``min_samples`` are not, as before."""
     n_users = len(data.users)
     train = np.bincount(data.train.writer, minlength=n_users)
     test = np.bincount(data.test.writer, minlength=n_users)
@@ -229,18 +231,31 @@ def _choose_writers(
                           f"(the most any has: {counts.max(initial=0)})")  # fmt: skip
     fits = _fit_split(kind, train if opts["leaf_split"] else counts, split)
     kept = ~low
-    out = {"too_few_for_split": kept & ~fits}  # (writers left out, min_samples aside, by why)
+    out = {}  # (writers left out, min_samples aside, by why: one reason each)
+    if opts["leaf_split"]:  # (LEAF's '-t user' split puts each writer in train or test alone)
+        out["no_train_samples"] = kept & (train == 0)
+        out["no_test_samples"] = kept & (train > 0) & (test == 0)
+        kept &= (train > 0) & (test > 0)
+    out["too_few_for_split"] = kept & ~fits
     kept &= fits
     need = _split_takes(kind, split, counts.max())
     what = "train samples" if opts["leaf_split"] else "samples"
-    phrases = {"too_few_for_split": f"too few {what} for the split {split}, which takes at "
-                                    f"least {need}"}  # fmt: skip
+    root = Path(opts["root"])
+    phrases = {
+        "no_train_samples": f"no sample in LEAF's train split ({root / 'train'})",
+        "no_test_samples": f"no sample in LEAF's test split ({root / 'test'})",
+        "too_few_for_split": f"too few {what} for the split {split}, which takes at least {need}",
+    }
     said = "; ".join(f"{int(m.sum())} with {phrases[k]}" for k, m in out.items() if m.any())
     left_out = {"min_samples": int(low.sum()), **{k: int(m.sum()) for k, m in out.items()}}
     writers = np.flatnonzero(kept)
     if not len(writers):
         if low.any():
             said += f"; {int(low.sum())} with fewer than min_samples = {opts['min_samples']}"
+        if opts["leaf_split"] and (out["no_train_samples"] | out["no_test_samples"]).any():
+            said += ("; data.leaf_split needs writers with samples in both splits (LEAF's "
+                     "'-t sample'; '-t user' puts each writer in one alone): set it to "
+                     "false")  # fmt: skip
         raise GossipError(f"{kind}: all {n_users} writers are left out: {said}")
     if said:
         hint = ""
