@@ -283,10 +283,14 @@ def test_writers_too_small_for_the_split_are_left_out_with_a_warning(tmp_path):
     assert ds.meta["users"] == ["w0", "w3"] and ds.sizes("test").tolist() == [1, 1]
     # with leaf_split, the train samples are cut 80/20 into train / val: that takes 2
     _shakespeare_writers(tmp_path / "l", [2, 1, 3], test_sizes=[1, 1, 1])
-    with pytest.warns(UserWarning, match=r"1 with too few train samples for the split \(0.8, "
-                                         r"0.2, 0.0\), which takes at least 2"):  # fmt: skip
-        ds = load_dataset("shakespeare", root=tmp_path / "l", leaf_split=True)
+    with pytest.warns(UserWarning) as said:
+        ds = load_dataset("shakespeare", root=tmp_path / "l", leaf_split=True, min_samples=1)
     assert ds.meta["users"] == ["w0", "w2"]
+    # (no min_samples hint: it counts test samples too, and w1 has 1 + 1 of them)
+    assert [str(w.message) for w in said] == [
+        "shakespeare: 1 of 3 writers left out: 1 with too few train samples for the split "
+        "(0.8, 0.2, 0.0), which takes at least 2"
+    ]
 
 
 def test_writers_left_out_are_named_when_too_few_remain(tmp_path):

@@ -259,7 +259,8 @@ def _choose_writers(
         raise GossipError(f"{kind}: all {n_users} writers are left out: {said}")
     if said:
         hint = ""
-        if out["too_few_for_split"].any() and opts["min_samples"] < need:
+        # (min_samples counts train and test samples; with leaf_split the split cuts train's)
+        if out["too_few_for_split"].any() and opts["min_samples"] < need and not opts["leaf_split"]:
             hint = f"; data.min_samples: {need} leaves such writers out without this warning"
         warnings.warn(f"{kind}: {n_users - len(writers) - int(low.sum())} of {n_users} writers "
                       f"left out: {said}{hint}", stacklevel=5)  # fmt: skip
