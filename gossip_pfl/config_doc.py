@@ -99,8 +99,10 @@ DATA_OPTIONS: dict[str, str] = {
     # LEAF
     "writer_fraction": "seeded share of the writers kept: round(f x writers), at least one "
     "(FedEM used 0.15 on FEMNIST)",
-    "min_samples": "writers with fewer samples are dropped",
-    "leaf_split": "keep LEAF's own test files as the test sets (train / val from `split`)",
+    "min_samples": "writers with fewer samples are dropped (and, with a warning, those the "
+    "split cannot cut: docs/data.md)",
+    "leaf_split": "keep LEAF's own test files as the test sets (train / val from `split`); "
+    "writers missing from either are left out",
 }
 
 #: model options (``model: {name: X, <option>: ...}``): "model.option" -> meaning
