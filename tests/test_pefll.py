@@ -201,6 +201,10 @@ def test_checkpoint_round_trip_and_resume(tmp_path):
     other = images(seed=1)  # the same config over other data: refused, as for the model runs
     with pytest.raises(GossipError, match="the checkpoint was trained on other data"):
         run(config(tmp_path / "b", rounds=4, eval=every), other, log=quiet, resume=True)
+    checkpoint.save({**saved, "kind_bytes": {"x": 1}}, tmp_path / "b")  # (a KeyError's trace)
+    with pytest.raises(GossipError, match=r"checkpoint key 'kind_bytes' is a dict of \['x'\]"):
+        run(config(tmp_path / "b", rounds=4, eval=every), ds, log=quiet, resume=True)
+    checkpoint.save(saved, tmp_path / "b")
     resumed = run(config(tmp_path / "b", rounds=4, eval=every), ds, log=quiet, resume=True)
     for key in ("test_accuracy", "train_loss", "unseen_test_accuracy", "model_bytes",
                 "client_test_accuracy"):  # fmt: skip
@@ -209,16 +213,19 @@ def test_checkpoint_round_trip_and_resume(tmp_path):
     assert [json.loads(x)["round"] for x in rows] == [2, 4]
 
 
-def _summary(out: str) -> dict:
+def _summary(out: str, participation: int) -> dict:
     from gossip_pfl.runtime.comm import init_comm
 
-    cfg = config(out, rounds=3, eval={"every": 3})
+    cfg = config(out, rounds=3, eval={"every": 3}, participation=participation)
     return run(cfg, images(), comm=init_comm("cpu", "gloo"), log=quiet)
 
 
-def test_one_process_and_two_ranks_agree(tmp_path):
-    one = run(config(tmp_path / "w1", rounds=3), images(), log=quiet)
-    ranks = run_ranks(2, _summary, str(tmp_path / "w2"))
+@pytest.mark.parametrize("participation", [3, 1])
+def test_one_process_and_two_ranks_agree(tmp_path, participation):
+    """participation 1: a rank has no participant each round (its descriptors' reshape of
+    0 clients raised, and the other rank said a peer died)."""
+    one = run(config(tmp_path / "w1", rounds=3, participation=participation), images(), log=quiet)
+    ranks = run_ranks(2, _summary, str(tmp_path / "w2"), participation)
     for status, value in ranks:
         assert status == "ok", value
     two = ranks[0][1]
@@ -399,7 +406,7 @@ def test_a_last_round_that_blows_up_the_hub_is_neither_evaluated_nor_saved(tmp_p
     evaluated as ordinary accuracies and checkpointed)."""
     with pytest.raises(
         GossipError,
-        match=r"round 0: the hub's networks became NaN/inf; lower "
+        match=r"round 1: the hub's networks became NaN/inf; lower "
         r"pefll.lr \(now 0.001\) or pefll.client_lr \(now 1e\+30\)",
     ):
         run(config(tmp_path, rounds=1, pefll={"client_lr": 1e30}), images(), log=quiet)

@@ -339,8 +339,9 @@ class PeFLLRun(RoundLoop):
         self.count("embed_params", S)
         idx, w = self.batches(rows, t, _STREAM_DESCRIPTOR, 1, p.descriptor_batch)
         xd, yd = self.train.take(rows_t, idx[0])
-        with torch.no_grad():
-            v = descriptors(self.embed, eta_v, xd, yd, w[0])
+        with torch.no_grad():  # (a rank without participants this round sends none)
+            v = descriptors(self.embed, eta_v, xd, yd, w[0]) if len(rows) else \
+                eta_v.new_zeros(0, self.dim)  # fmt: skip
         v_all = self.to_hub(v, pos, S)
         self.count("descriptor", S)
         theta_all = None
@@ -353,7 +354,7 @@ class PeFLLRun(RoundLoop):
         self.count("client_model", S)
         if not torch.isfinite(theta_all).all():
             raise GossipError(
-                f"round {t}: the hypernetwork's models became NaN/inf; lower pefll.lr "
+                f"round {t + 1}: the hypernetwork's models became NaN/inf; lower pefll.lr "
                 f"(now {p.lr}) or pefll.client_lr (now {p.client_lr})"
             )
         theta = theta_all[torch.as_tensor(pos, dtype=torch.long, device=self.device)]
@@ -512,7 +513,7 @@ class PeFLLRun(RoundLoop):
             bad += sum(int(not torch.isfinite(self.hub_state[k]).all()) for k in ("eta_h", "eta_v"))
         if self.comm.all_reduce_sum(bad).item():
             raise GossipError(
-                f"round {t}: the hub's networks became NaN/inf; lower pefll.lr "
+                f"round {t + 1}: the hub's networks became NaN/inf; lower pefll.lr "
                 f"(now {p.lr}) or pefll.client_lr (now {p.client_lr})"
             )
 
@@ -569,6 +570,7 @@ class PeFLLRun(RoundLoop):
                     f"{tuple(getattr(hub[k], 'shape', ()))}, this run {tuple(v.shape)}"
                 )
         self.check_resumable(state, where)
+        checkpoint.check_like(state["kind_bytes"], self.kind_bytes, "kind_bytes", where)
         if self.comm.rank == 0:
             self.hub_state = {k: v.to(self.device) for k, v in hub.items()}
         self.times = dict(state["times"])
