@@ -259,8 +259,12 @@ def check_structure(
     for key in ("config", "times", "kind_bytes", "traffic"):
         if key in state and not isinstance(state[key], dict):
             raise bad(key, _kind(state[key]), "a dict")
-    if "rows" in state and not isinstance(state["rows"], list):
-        raise bad("rows", _kind(state["rows"]), "a list")
+    if "rows" in state and not (isinstance(state["rows"], list)
+                                and all(isinstance(r, dict) for r in state["rows"])):  # fmt: skip
+        raise bad("rows", _kind(state["rows"]), "a list of metrics rows (dicts)")
+    if (key := _first_nan(state)) is not None:  # (a resume went on from it, exit 0)
+        raise GossipError(f"{where}: checkpoint key '{key}' holds NaN: it was altered, or "
+                          "saved by a run gone bad; resume from a good copy")  # fmt: skip
 
     if "shared" in state:
         shared = state["shared"]
@@ -292,6 +296,49 @@ def check_structure(
                 raise bad(f"rule_state.{name}", _kind(value), "a tensor")
     if "aux" in state and state["aux"] is not None and not isinstance(state["aux"], torch.Tensor):
         raise bad("aux", _kind(state["aux"]), "a tensor or None")
+
+
+def check_like(value: object, like: object, key: str, where: str = "checkpoint") -> None:
+    """A checkpoint's ``value`` at ``key`` has the structure of the run's own ``like``: a
+    dict holding (at least) like's keys, each checked in turn; a tensor of like's shape and
+    dtype (``like`` may be on the meta device); a list of numbers; a number (not a bool).
+    Raises a one-line :class:`GossipError` naming the dotted key (what the restore read was a
+    KeyError's or a shape's traceback)."""
+
+    def bad(found: str, expected: str) -> GossipError:
+        return GossipError(f"{where}: checkpoint key '{key}' is {found}, this run's is {expected}")
+
+    if isinstance(like, dict):
+        if not isinstance(value, dict) or not set(like) <= set(value):
+            found = f"a dict of {sorted(value)}" if isinstance(value, dict) else _kind(value)
+            raise bad(found, f"a dict of {sorted(like)}")
+        for k, v in like.items():
+            check_like(value[k], v, f"{key}.{k}", where)
+    elif isinstance(like, torch.Tensor):
+        if not isinstance(value, torch.Tensor) or value.shape != like.shape:
+            raise bad(_kind(value), _kind(like))
+        if value.dtype != like.dtype:
+            raise bad(f"of {value.dtype}", f"of {like.dtype}")
+    elif isinstance(like, list):
+        if not (isinstance(value, list) and all(_is_number(v) for v in value)):
+            raise bad(_kind(value), "a list of numbers")
+    elif _is_number(like) and not _is_number(value):
+        raise bad(_kind(value), "a number")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _first_nan(value: object, key: str = "") -> str | None:
+    """The dotted key of the first tensor in ``value`` (nested dicts) holding a NaN."""
+    if isinstance(value, torch.Tensor):
+        return key if value.is_floating_point() and bool(torch.isnan(value).any()) else None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if (found := _first_nan(v, f"{key}.{k}" if key else str(k))) is not None:
+                return found
+    return None
 
 
 def _check_rows(value: object, key: str, n_peers: int, bad) -> None:

@@ -96,7 +96,10 @@ class RoundLoop:
 
     def check_resumable(self, state: dict, where: str) -> None:
         """A loaded checkpoint has rounds left under this config (after :meth:`check_config`
-        and the structure check)."""
+        and the structure check), and the timings every run keeps."""
+        from gossip_pfl import checkpoint
+
+        checkpoint.check_like(state.get("times"), {"local": 0.0, "exchange": 0.0}, "times", where)
         done = state["rounds_done"]
         if done > self.cfg.rounds:
             raise GossipError(f"{where}: the checkpoint is of round {done}, past rounds = "

@@ -1353,6 +1353,10 @@ class Trainer(RoundLoop):
         # keys, shapes, peer count and components, before any of this rank's state is touched
         checkpoint.check_structure(state, self.n_peers, tuple(self.nodes.shape[1:]), where=where)
         self.check_resumable(state, where)
+        checkpoint.check_like(state["kind_bytes"], self.kind_bytes, "kind_bytes", where)
+        traffic = {"bytes_sent": 0, "messages_sent": 0, "bytes_sent_per_rank": [],
+                   "messages_sent_per_rank": []}  # fmt: skip
+        checkpoint.check_like(state["traffic"], traffic, "traffic", where)
         idx = torch.as_tensor(self.peers)
         L = len(self.peers)
         self.nodes[:L] = state["shared"][idx].to(self.device)

@@ -5,6 +5,7 @@ checkpoint when it fails, and files that hold only the bytes the state needs."""
 from __future__ import annotations
 
 import inspect
+import math
 import os
 
 import pytest
@@ -300,6 +301,10 @@ def test_check_structure_wrong_component_count():
         ("rows", {}, "'rows' is a dict, expected a list"),
         ("rounds_done", -1, "'rounds_done' is an int, expected a non-negative int"),
         ("rounds_done", "3", "'rounds_done' is a str"),
+        # each was resumed from: rows written a character a line, NaN models trained on
+        ("rows", ["abc"], "'rows' is a list, expected a list of metrics rows"),
+        ("shared", torch.full((N, M, P), math.nan), "key 'shared' holds NaN"),
+        ("rule_state", {"m": torch.tensor([0.0, math.nan])}, "key 'rule_state.m' holds NaN"),
     ],
 )
 def test_check_structure_names_the_key(key, value, named):
@@ -394,3 +399,25 @@ def test_resume_from_wrong_structure_exits_2(tmp_path, toy_data, capsys):
     assert main(["run", "--resume", str(out), "--quiet"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "checkpoint has 7 peers" in err[0] and "'shared'" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [  # a valid digest over each: a KeyError's traceback from the restore
+        ("times", {"x": 1.0}, "'times' is a dict of ['x'], this run's is a dict of ['exchange'"),
+        ("times", None, "'times' is None, expected a dict"),
+        ("kind_bytes", {"x": 1}, "'kind_bytes' is a dict of ['x']"),
+        ("traffic", {"x": 1}, "'traffic' is a dict of ['x']"),
+        ("traffic", {"bytes_sent": 1, "messages_sent": 1, "bytes_sent_per_rank": ["1"],
+                     "messages_sent_per_rank": [1]}, "'traffic.bytes_sent_per_rank' is a list"),
+    ],
+)  # fmt: skip
+def test_resume_from_altered_bookkeeping_exits_2(tmp_path, toy_data, capsys, key, value, named):
+    out = tmp_path / "run"
+    run_two_rounds(out)
+    checkpoint.save({**load(out), key: value}, out)
+    from gossip_pfl.cli import main
+
+    assert main(["run", "--resume", str(out), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and named in err[0], err

@@ -5,6 +5,7 @@ through the CLI."""
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import numpy as np
@@ -15,6 +16,7 @@ from _helpers import check_ranks_refuse_other_checkpoints, run_ranks
 from gossip_pfl import checkpoint
 from gossip_pfl.cli import main
 from gossip_pfl.config import load_config
+from gossip_pfl.errors import GossipError
 from gossip_pfl.expfam.data import gmm2d
 from gossip_pfl.expfam.run import ExpFamRun, build_model
 from gossip_pfl.runtime.comm import init_comm
@@ -189,6 +191,43 @@ def test_resumed_run_ends_with_the_same_summary(algorithm, tmp_path):
     rows_b = (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()
     strip = lambda r: {k: v for k, v in json.loads(r).items() if not k.startswith("seconds")}  # noqa: E731
     assert [strip(r) for r in rows_a] == [strip(r) for r in rows_b]
+
+
+def _edit(state: dict, change: str) -> None:
+    section, _, key = change.partition(".")
+    if change == "rule_state.S nan":
+        state["rule_state"]["S"][0, 0] = math.nan
+    elif change == "counters lost":
+        del state["counters"]["bits_up"]
+    elif key:
+        state[section][key] = state[section][key][:, :-1].clone()
+    else:
+        state[section] = state[section][:-1].clone()
+
+
+@pytest.mark.parametrize(
+    ("schedule", "change", "named"),
+    [  # a valid digest over each: a traceback (exit 1), or a resume on to other numbers
+        (None, "rule_state.V", "'rule_state.V' is a tensor of shape (1, "),
+        (None, "workers.V_i", "'workers.V_i' is a tensor of shape (6, "),
+        ({"graph": "ring"}, "H_sq", "'H_sq' is a tensor of shape (5,), this run's is a tensor "
+                                    "of shape (6,)"),
+        (None, "counters lost", "'counters' is a dict of ['bits_sent', 'expectations', "),
+        (None, "rule_state.S nan", "'rule_state.S' holds NaN"),
+    ],
+)  # fmt: skip
+def test_a_checkpoint_that_does_not_fit_is_named_before_the_resume(tmp_path, schedule, change,
+                                                                    named):  # fmt: skip
+    """Only the workers' statistics S were checked; a check of each tensor's shape and of
+    the counters against what this run saves, before anything is restored."""
+    algorithm = "fedem_em" if schedule is None else "gossip_fedem_em"
+    _run(_cfg(tmp_path, algorithm, rounds=3, schedule=schedule))
+    state = checkpoint.load(tmp_path)
+    _edit(state, change)
+    checkpoint.save(state, tmp_path)
+    with pytest.raises(GossipError, match=re.escape(named)):
+        _run(_cfg(tmp_path, algorithm, rounds=6, schedule=schedule), resume=True)
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 1  # untouched
 
 
 def test_projection_is_counted_and_statistics_stay_finite(tmp_path):

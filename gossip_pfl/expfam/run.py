@@ -126,6 +126,11 @@ def build_model(e, data: ExpFamData):
     return model, theta0
 
 
+#: what an EM checkpoint holds (:meth:`ExpFamRun.checkpoint`)
+CHECKPOINT_KEYS = ("rounds_done", "config", "workers", "rule_state", "H_sq", "counters",
+                   "times", "rows")  # fmt: skip
+
+
 class ExpFamRun(RoundLoop):
     """One rank's workers (and, on rank 0, the hub) of a federated EM run."""
 
@@ -516,21 +521,33 @@ class ExpFamRun(RoundLoop):
     def _worker_state(self) -> State:
         return {"S": self.S, "S_prev": self.S_prev, "V_i": self.V_i, "spider": self.spider}
 
+    def _saved_like(self) -> dict:
+        """The shapes and types of what :meth:`checkpoint` saves (its tensors on the meta
+        device: every worker's rows, the hub's or every worker's rule state)."""
+        rows = self.n_peers if self.route == "gossip" else 1
+        zero = torch.zeros(rows, self.q, dtype=DTYPE)
+        return {
+            "workers": {
+                k: torch.empty(self.n_peers, *v.shape[1:], dtype=v.dtype, device="meta")
+                for k, v in self._worker_state().items()
+            },  # fmt: skip
+            "rule_state": {k: v.to("meta") for k, v in self.rule.init(zero, zero).items()},
+            "H_sq": torch.empty(rows, dtype=DTYPE, device="meta"),
+            "counters": dict.fromkeys(self.counters, 0),
+        }
+
     def restore(self, out: Path) -> tuple[int, list]:
         state = self.load_checkpoint(out)
         where = f"--resume {out}"
         self.check_config(state, where)
+        checkpoint.check_structure(state, self.n_peers, (), CHECKPOINT_KEYS, where=where)
         self.check_resumable(state, where)
-        workers = state["workers"]
-        if set(workers) != set(self._worker_state()) or workers["S"].shape != (
-            self.n_peers,
-            self.q,
-        ):
-            raise GossipError(f"{where}: the checkpoint's worker state does not fit this run")
+        for key, like in self._saved_like().items():  # (a wrong width was a traceback)
+            checkpoint.check_like(state[key], like, key, where)
         idx = torch.as_tensor(self.peers)
         dev = self.device
         self.S, self.S_prev, self.V_i, self.spider = (
-            workers[k][idx].to(dev) for k in ("S", "S_prev", "V_i", "spider")
+            state["workers"][k][idx].to(dev) for k in ("S", "S_prev", "V_i", "spider")
         )
         if self.route == "gossip":
             self.hub = {k: v[idx].to(dev) for k, v in state["rule_state"].items()}
