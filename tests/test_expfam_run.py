@@ -455,15 +455,24 @@ def test_a_run_whose_statistics_were_projected_says_so(tmp_path, capsys):
     assert f"in {summary['projected']} updates and was projected back" in err[0]
 
 
-def test_plot_of_an_em_run_with_a_damaged_row_is_one_line(tmp_path, capsys):
-    """An EM run's row without 'epochs' (a hand-edited file) was a KeyError's traceback."""
+@pytest.mark.parametrize(
+    ("key", "value", "says"),
+    [  # each a KeyError's or numpy's traceback (a hand-edited file)
+        ("epochs", None, " has no number 'epochs'"),
+        ("mixture_weights", None, "'s mixture_weights is None, not the numbers of row 1's"),
+        ("mixture_weights", [0.5], "'s mixture_weights is [0.5], not the numbers of row 1's"),
+        ("mixture_weights", ["a", "b"], "'s mixture_weights is ['a', 'b'], not the numbers"),
+    ],
+)
+def test_plot_of_an_em_run_with_a_damaged_row_is_one_line(tmp_path, capsys, key, value, says):
     run = tmp_path / "run"
     assert main(["run", _config_file(tmp_path), "--out", str(run), "--quiet", "--no-plots",
-                 "--set", "rounds=3"]) == 0  # fmt: skip
+                 "--set", "rounds=3", "--set", "eval.every=1"]) == 0  # fmt: skip
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    del rows[-1]["epochs"]
+    assert len(rows[0]["mixture_weights"]) == 2 and len(rows) == 3
+    rows[-1].pop(key) if value is None else rows[-1].update({key: value})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     capsys.readouterr()
     assert main(["plot", str(run)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"row {len(rows)} has no number 'epochs'" in err[0], err
+    assert len(err) == 1 and f"row {len(rows)}{says}" in err[0], err

@@ -579,8 +579,18 @@ def plot_run(run_dir: Path, out: Path | None = None, label: str | None = None) -
                 raise GossipError(f"{Path(run_dir) / 'metrics.jsonl'}: row {i + 1} has no "
                                   f"number {key!r} (an EM run's rows hold epochs, h_sq and "
                                   "H_sq)")  # fmt: skip
-    ep = [r["epochs"] for r in rows]
     panels = 3 if "mixture_weights" in rows[0] else 2
+    for i, r in enumerate(rows if panels == 3 else []):  # (a traceback, or drawn as numbers)
+        w = r.get("mixture_weights")
+        if not (
+            isinstance(w, list)
+            and len(w) == len(rows[0]["mixture_weights"])
+            and all(isinstance(x, int | float) and not isinstance(x, bool) for x in w)
+        ):
+            raise GossipError(f"{Path(run_dir) / 'metrics.jsonl'}: row {i + 1}'s mixture_weights "
+                              f"is {w!r:.60}, not the numbers of row 1's "
+                              f"{len(rows[0]['mixture_weights'])} components")  # fmt: skip
+    ep = [r["epochs"] for r in rows]
     fig, axes = plt.subplots(1, panels, figsize=(4.2 * panels, 3.4))
     for ax, key, title in zip(axes, ("h_sq", "H_sq"), ("||h(S_k)||^2", "||H_k||^2")):
         ax.semilogy(ep, [max(r[key], 1e-300) for r in rows])
