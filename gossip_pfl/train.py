@@ -140,6 +140,9 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
     try:
         schedule = schedule_from_spec(sched, base_dir=base_dir)
     except TopologyError as err:  # an inline spec's keys are the config's schedule.* keys
+        if "but n is" in str(err):  # (a demo's 18 clients made n 14, unsaid)
+            err = TopologyError(f"{err} (the run's training peers: its clients less those "
+                                "data.unseen_fraction holds out)")  # fmt: skip
         if file:  # a schedule file: the message names it
             raise TopologyError(f"schedule file {file}: {err}") from None
         keyed = str(err).split(":")[0] in KNOWN_KEYS

@@ -82,6 +82,15 @@ def test_broken_matrix_and_graph_files(tmp_path, capsys, name, pattern):
     _one_line_error(capsys, ["run", cfg, *SMALL, "--set", spec, *out], pattern)
 
 
+def test_a_graph_of_another_size_says_what_n_is(tmp_path, capsys):
+    """6 clients, a ring of 8 in a file: 'n is 5' (the demo holds a client out) said nothing
+    of where 5 came from."""
+    ring = _files(tmp_path)["ring.graphml"]
+    argv = ["run", *SMALL, "--set", f"schedule={{graph: {ring}}}", "--out", str(tmp_path / "r")]
+    says = r"has 8 nodes but n is 5 \(the run's training peers: its clients less those data"
+    _one_line_error(capsys, argv, says + r"\.unseen_fraction holds out\)")
+
+
 def test_a_graph_file_where_a_schedule_file_goes_says_where_it_goes(tmp_path, capsys):
     files = _files(tmp_path)
     cfg = str(ROOT / "configs/synthetic/dfedem.yaml")

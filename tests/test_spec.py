@@ -217,3 +217,10 @@ def test_import_topologies_does_not_import_torch():
     code = "import sys, topologies, topologies.analysis; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_time_varying_kind_alone_shows_the_full_form():
+    """`time_varying: link_failure` (a name, not a mapping) took two tries to fix: the error
+    now shows a whole mapping."""
+    with pytest.raises(TopologyError, match=r"e\.g\. \{kind: link_failure, q: 0\.1\}"):
+        schedule_from_spec({"n": 4, "graph": "ring", "time_varying": "link_failure"})

@@ -202,7 +202,8 @@ def schedule_from_spec(spec: dict, base_dir: str | Path | None = None) -> Mixing
     if tv is not None:
         if not isinstance(tv, dict) or "kind" not in tv:
             raise TopologyError(
-                f"time_varying: must be a mapping with a kind ({', '.join(TIME_VARYING_KINDS)})"
+                f"time_varying: must be a mapping with a kind ({', '.join(TIME_VARYING_KINDS)}),"
+                " e.g. {kind: link_failure, q: 0.1} (topologies.md)"
             )
         if not isinstance(tv["kind"], str) or tv["kind"] not in TIME_VARYING_KINDS:
             raise TopologyError(
