@@ -188,10 +188,11 @@ class RoundLoop:
 
     def progress_fields(self, row: dict) -> dict[str, str]:
         """The progress line's figures from a metrics row (a workload may show others)."""
-        shown = {"loss": "train_loss", "acc": "test_accuracy"}  # those the row has
+        # named as in metrics.jsonl ("loss" and "acc" left a reader to guess which split)
+        shown = {"train_loss": "train_loss", "test_acc": "test_accuracy"}  # those the row has
         fields = {k: f"{row[key]:.4f}" for k, key in shown.items() if key in row}
         if row.get("consensus_distance"):  # a peer process has none (merge works it out)
-            fields["consensus"] = f"{max(row['consensus_distance']):.3g}"
+            fields["consensus_max"] = f"{max(row['consensus_distance']):.3g}"  # (over M)
         return fields
 
     # ---- the loop -------------------------------------------------------------------------
