@@ -428,10 +428,16 @@ def _plot(path: str | Path, rows: list[dict], curves: list) -> None:
     FigureCanvasAgg(fig)
     by_round, by_msgs = fig.subplots(1, 2)
     floor = 1e-16  # exact averaging reaches 0, which a log axis cannot show
-    for row, res in zip(rows, curves):
+    # a line style and marker per schedule as well as a colour: schedules that average
+    # alike (one_peer_exponential and base_k1 at n = 16) drew one line over the other
+    styles = [(ls, mk) for mk in ("o", "s", "^", "D", "v") for ls in ("-", "--", ":", "-.")]
+    for i, (row, res) in enumerate(zip(rows, curves)):
         err = np.maximum(res.errors, floor)
-        by_round.plot(np.arange(len(err)), err, label=row["name"])
-        by_msgs.plot(res.cumulative_messages, err, label=row["name"])
+        ls, mk = styles[i % len(styles)]
+        look = {"label": row["name"], "linestyle": ls, "marker": mk, "markevery": 0.1,
+                "markersize": 4, "markerfacecolor": "none"}  # fmt: skip
+        by_round.plot(np.arange(len(err)), err, **look)
+        by_msgs.plot(res.cumulative_messages, err, **look)
     for ax, xlabel in ((by_round, "round"), (by_msgs, "messages sent (cumulative)")):
         ax.set_yscale("log")
         ax.set_xlabel(xlabel)

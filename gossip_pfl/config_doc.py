@@ -108,7 +108,8 @@ DATA_OPTIONS: dict[str, str] = {
 #: model options (``model: {name: X, <option>: ...}``): "model.option" -> meaning
 MODEL_OPTIONS: dict[str, str] = {
     "mlp.hidden": "widths of the hidden ReLU layers",
-    "cnn.channels": "output channels of the two 5x5 convolutions",
+    "cnn.channels": "output channels of the two 5x5 convolutions (the default is the paper's "
+    "full width, slow on a small CPU: docs/simulate.md)",
     "cnn.hidden": "units of the dense ReLU layer",
     "lstm.embed": "token embedding size",
     "lstm.hidden": "LSTM hidden size",
