@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gossip_pfl.errors import GossipError, one_line
-from gossip_pfl.rundir import FIGURES, read_rows, replace_with
+from gossip_pfl.rundir import FIGURES, read_rows, replace_all
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -494,24 +494,27 @@ def write_plots(runs: list[Run], out: str | Path) -> list[Path]:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise GossipError(f"cannot create {out}: {one_line(err)}") from None
-    paths = []
     figures = dict(PLOTS)
     try:
         if any(mixture_weights(run) is not None for run in runs):
             figures["mixture_weights_vs_round"] = plot_mixture_weights
     except (TypeError, ValueError) as err:
         raise GossipError(_bad_value("mixture weights", runs, err)) from None
+    saves = {}
     for name, fn in figures.items():
-        path = out / f"{name}.png"
         try:
             fig = fn(runs)
         except GossipError:  # (a ValueError) already names its file, round and key
             raise
         except (TypeError, ValueError) as err:  # e.g. "consensus_distance": "x"
             raise GossipError(_bad_value(name, runs, err)) from None
-        try:
-            replace_with(path, partial(fig.savefig, dpi=DPI, format="png"))
-        except OSError as err:
-            raise GossipError(f"cannot write {path}: {one_line(err)}") from None
-        paths.append(path)
-    return paths
+        saves[out / f"{name}.png"] = partial(fig.savefig, dpi=DPI, format="png")
+    # the set replaces the old one at once: a failure part way left old figures beside new
+    # ones, and runs without mixture weights plotted into a folder kept an older run's
+    try:
+        replace_all(saves)
+        if "mixture_weights_vs_round" not in figures:
+            (out / "mixture_weights_vs_round.png").unlink(missing_ok=True)
+    except OSError as err:
+        raise GossipError(f"cannot write {err.filename or out}: {one_line(err)}") from None
+    return list(saves)

@@ -192,6 +192,10 @@ def test_mixture_weights_plot_only_for_mixtures(two_runs, tmp_path, capsys):
     assert main(["plot", str(fedem), str(two_runs[1]), "--out", str(out)]) == 0
     _assert_png(out / "mixture_weights_vs_round.png")
     assert str(out / "mixture_weights_vs_round.png") in capsys.readouterr().out
+    # the same folder for runs without mixtures: the older figure went, not kept beside them
+    assert main(["plot", *map(str, two_runs), "--out", str(out)]) == 0
+    assert not (out / "mixture_weights_vs_round.png").exists()
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{n}.png" for n in plots.PLOTS)
 
 
 def test_default_labels_and_histogram_source(two_runs, tmp_path):
