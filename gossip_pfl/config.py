@@ -95,7 +95,7 @@ class RuleConfig:
     tau: float = 1e-3  #: adaptivity: step lr m / (sqrt(v) + tau)
     eps: float = 1e-3  #: FedExP's epsilon
     lam: float = 0.0  #: FedLi-LU's weight decay lambda (r = lambda w)
-    eta: float = 1.0  #: FedLi-LU's proximal coefficient (largest step along Delta)
+    eta: float = 1.0  #: FedLi-LU's server step size (the largest step along Delta)
     step: str = "one"  #: FedLi-LS's server step: one | max (the largest client step size)
     tol1: float = 0.4  #: Clustered FL: split when ||mean update|| < tol1 ...
     tol2: float = 1.6  #: ... and max ||update_i|| > tol2
@@ -164,7 +164,8 @@ class EvalConfig:
     #: their own local update of their personal models instead); unset: the algorithm's
     #: default (1 for fedavg_plus, else 0)
     finetune_epochs: int | None = None
-    #: samples per evaluation forward, all peers (0: model's hint or 16384); on a CPU as many
+    #: samples per evaluation forward, all peers (0: the model's hint, else 2^20 for the
+    #: linear model's closed form, 2^23 on a GPU, else 16384); on a CPU as many
     #: such calls as the run has threads run at once
     chunk: int = 0
     #: converge | one_step (the paper's experiments); mixtures (M > 1) only

@@ -6,8 +6,10 @@
 ``local_work`` is the client update of the round's participants (their surrogate's E-step and
 the local solver); ``communicate`` delivers their messages along the route (the star with the
 hub's rule between its up and down phases, W_t's phases with each peer's rule, or a rule's own
-phase) and applies the rule. No algorithm is named here: an algorithm is a composition of a
-surrogate, a solver and a rule (gossip_pfl.algorithms).
+phase) and applies the rule. An algorithm is a composition of a surrogate, a solver and a
+rule (gossip_pfl.algorithms); what names one here chooses a faster path for it (the mixture's
+fused E-step, the line search's kernels) or its evaluation (unseen clients' mixture weights,
+Clustered FL's cluster models), not what a round computes.
 
 The same code runs with every peer in one process or spread over torchrun ranks; every random
 draw is seeded per peer (data order, initialization) or per round (schedule), never per rank.
@@ -25,6 +27,7 @@ import torch
 
 from gossip_pfl import checkpoint
 from gossip_pfl.algorithms import (
+    ALGORITHMS,
     RULE_KEYS,
     AlgorithmSpec,
     build_solver,
@@ -72,7 +75,7 @@ from gossip_pfl.runtime.stack import BatchedForward, ParamLayout, PendingEStep, 
 from gossip_pfl.runtime.threads import configure_host, even_pieces, map_pieces
 from topologies import MixingSchedule, TopologyError
 from topologies.analysis import check_mixing
-from topologies.spec import check_not_data_file
+from topologies.spec import KNOWN_KEYS, check_not_data_file, schedule_from_spec
 
 #: devices on which the finite check is queued rather than waited for (see _check_finite)
 QUEUE_CHECK_ON: tuple[str, ...] = ("cuda",)
@@ -87,8 +90,6 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
         if sched is None or (spec.topology == "server" and sched == {"graph": "server"}):
             return None
         what = "the server schedule (a hub)" if spec.topology == "server" else "no schedule"
-        from gossip_pfl.algorithms import ALGORITHMS
-
         gossip = [k for k, a in ALGORITHMS.items()
                   if a.workload == spec.workload and a.topology == "given"]  # fmt: skip
         em = spec.workload == "expfam"
@@ -99,8 +100,6 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
             f"{' or '.join(gossip)}{rule}; clients per round are set by "
             f"{'expfam.p' if em else 'participation'}"
         )
-    from topologies.spec import KNOWN_KEYS, schedule_from_spec
-
     if sched is None:
         raise GossipError(
             f"algorithm '{cfg.algorithm.name}' needs a schedule: set 'schedule' to a topology "
@@ -299,9 +298,10 @@ class Trainer(RoundLoop):
         step_weights = decentral and a.client_weighting == "step"
         scale = self.counts * n / sizes.sum() if step_weights else np.ones(L)
         self.lr_scale = torch.as_tensor(scale, dtype=torch.float32, device=self.device)
+        self._lr_scale_np = self.lr_scale.cpu().numpy()  # (the host's copy: no read back)
         #: one step size for every peer: the solver may then take its fused kernel
         self.unit_scale = bool(np.all(scale == 1))
-        # ... or the gossip weights neighbours by sample count (see mix): the server's n_t / n
+        # ... or the gossip weights neighbours by sample count (see phases): the server's n_t / n
         # average on a complete graph, without the large steps that destabilize momentum SGD.
         self.gossip_by_size = decentral and a.client_weighting == "gossip"
         self.forward.check(self.nodes[:L], self.train.x)
@@ -547,7 +547,7 @@ class Trainer(RoundLoop):
             return
         if fused:
             with np.errstate(over="ignore"):  # an lr past float32: the finite check names it
-                neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_host
+                neg = np.float32(-(self.solver.lr * factor)) * self._lr_scale_np
             heavy = None
             # the steps in the gradient's units, each peer's -lr applied after: momentum (its
             # velocity in those units) and, in torch operations, FedLi-LU's kept losses (the
@@ -900,12 +900,6 @@ class Trainer(RoundLoop):
         """:meth:`_personal_fused` with the compiled CPU loops (their loop is loaded)."""
         return self.forward.kernels and self._personal_fused()
 
-    @property
-    def _lr_scale_host(self) -> np.ndarray:
-        if "_lr_scale_np" not in self.__dict__:
-            self._lr_scale_np = self.lr_scale.cpu().numpy()
-        return self._lr_scale_np
-
     def communicate(self, t: int, active: np.ndarray | None = None) -> None:
         """Deliver the peers' messages along the route and apply the rule: on the star, the
         hub's rule between the up and down phases; in gossip, each peer's rule after W_t's
@@ -1062,10 +1056,10 @@ class Trainer(RoundLoop):
 
     @torch.no_grad()
     def evaluate_unseen(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Clients held out of training: download the peers' average components, keep them
-        fixed, fit pi to maximum likelihood on the client's own training data (to the
-        optimum, or one EM step from uniform as in the paper), then evaluate (every client
-        has training data:
+        """Clients held out of training: download the peers' average components (fine-tuned
+        on the client's own training data with ``eval.finetune_epochs``, FedAvg+; else kept
+        fixed), fit pi to maximum likelihood on that data (to the optimum, or one EM step
+        from uniform as in the paper), then evaluate (every client has training data:
         :func:`client_ids`). Under Clustered FL a client takes the cluster model of least
         loss on its training data instead."""
         n_unseen = len(self.unseen_ids)
@@ -1186,8 +1180,8 @@ class Trainer(RoundLoop):
             personal = {k: v.clone() for k, v in personal.items()}
             plain = LocalSGD(self.cfg.algorithm.lr)
             kept = self.last_loss.clone()  # (FedLi's losses for the rule are the round's)
-            saved = (self.solver, self.client, self.line_search, self.lr_scale, self.unit_scale)
-            host = self.__dict__.get("_lr_scale_np")
+            saved = (self.solver, self.client, self.line_search, self.lr_scale, self.unit_scale,
+                     self._lr_scale_np)  # fmt: skip
             try:
                 self.solver, self.client, self.line_search = plain, None, False
                 # at lr itself, as an unseen client's: gossip's client weighting scales a
@@ -1199,11 +1193,8 @@ class Trainer(RoundLoop):
                     personal=personal, stream=1,
                 )  # fmt: skip
             finally:
-                (self.solver, self.client, self.line_search, self.lr_scale,
-                 self.unit_scale) = saved  # fmt: skip
-                self.__dict__.pop("_lr_scale_np", None)
-                if host is not None:  # (no read back from a GPU)
-                    self._lr_scale_np = host
+                (self.solver, self.client, self.line_search, self.lr_scale, self.unit_scale,
+                 self._lr_scale_np) = saved  # fmt: skip
                 self.last_loss.copy_(kept)
         theta = self.surrogate.eval_state(theta, personal)
         nll, acc = self.scores(split, theta, personal)

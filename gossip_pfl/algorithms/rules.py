@@ -13,8 +13,8 @@ neighbours through W_t in gossip), so the pseudo-gradient is ``theta - inbox.mea
 
 Rules read per-client scalars by name (``scalars``) and may carry parameter-shaped tensors
 (``tensors``) beside theta both ways: clients send one (SCAFFOLD: the change of their control
-variate), the hub sends back its state of the same name. A client part (``client``) changes the
-local steps and computes those messages.
+variate), the hub sends back its state of the same name. A client part
+(``Rule.client_part()``) changes the local steps and computes those messages.
 
 Rules (Reddi et al. 2021, "Adaptive Federated Optimization"; Jhunjhunwala et al. 2023,
 "FedExP"; Geetika, Uniyal, Chatterjee, "Towards hyper-parameter-free federated learning";

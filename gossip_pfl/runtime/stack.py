@@ -71,7 +71,6 @@ class ParamLayout:
     """Names, shapes and offsets of a model's parameters inside a flat vector."""
 
     def __init__(self, model: nn.Module):
-        self.model = model
         self.names = [n for n, _ in model.named_parameters()]
         self.shapes = [p.shape for _, p in model.named_parameters()]
         self.sizes = [math.prod(s) for s in self.shapes]
@@ -102,11 +101,12 @@ def init_components(model_fn, layout: ParamLayout, components: int, seed: int) -
 class BatchedForward:
     """Evaluate the model for every (peer, component) pair at once.
 
-    ``__call__(theta (L, M, P), x (L, B, *in)) -> logits (L, M, B, C)``. Three ways, chosen at
-    construction: the model's own ``batched_forward(params, x)`` when it has one (layers written
-    for a batch of weights, fastest), else nested ``vmap`` over ``functional_call``; models vmap
-    cannot handle (e.g. BatchNorm updating running statistics) fall back to a per-peer,
-    per-component loop.
+    ``__call__(theta (L, M, P), x (L, B, *in)) -> logits (L, M, B, C)``. The ways, chosen at
+    construction: the linear model's closed form, the model's own ``batched_forward(params,
+    x)`` when it has one (layers written for a batch of weights, fastest), else nested ``vmap``
+    over ``functional_call``; models vmap cannot handle (e.g. BatchNorm updating running
+    statistics) fall back to a per-peer, per-component loop (at construction, or by
+    :meth:`check` on a first tiny batch).
     """
 
     def __init__(
@@ -160,7 +160,8 @@ class BatchedForward:
             self.mode = "loop" if self.reason else "vmap"
 
     def _vmap_failure(self) -> str:
-        """Why vmap cannot run this model ('' if it can): try it on a tiny input."""
+        """Why vmap cannot run this model ('' if it can) by its build (:meth:`check` then
+        tries it on a tiny input)."""
         if any(True for _ in self.model.buffers()):
             return "the model has buffers (e.g. BatchNorm statistics) that vmap cannot update"
         return ""

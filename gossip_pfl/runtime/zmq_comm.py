@@ -14,7 +14,7 @@ so a rank waits on a single socket.
 Messages are a fixed-size header frame (magic, round, phase, kind, sequence number, sender,
 dtype and shape) and the tensor's bytes, in frames of at most ``CHUNK`` bytes (1 MiB). Sends are
 zero-copy for contiguous CPU tensors (ZeroMQ holds the tensor's memory until the bytes have
-left; ``Pending.wait_all`` waits for that; pyzmq copies frames under 64 KiB instead, and
+left; ``ZmqPending.wait_all`` waits for that; pyzmq copies frames under 64 KiB instead, and
 ``close`` lingers so those still leave). A message for the operation being waited on is received
 straight into the preallocated tensor (``recv_into``, frame by frame), after its header was
 checked; nothing is pickled. With ``exchange(..., hold=True)`` (what the Exchanger asks when it
@@ -566,20 +566,16 @@ class ZmqComm:
         if n != buf.numel() * buf.element_size():
             # the header lied about the payload: the tensor may hold part of it, but it is not
             # marked received, so a timeout follows unless a good copy comes
-            self.stats["bad"] += 1
-            log.warning(
-                "rank %d: dropped a message from rank %d for %s: %d payload bytes for %s",
-                self.rank,
-                msg.sender,
-                self._what(key),
-                n,
-                list(msg.shape),
-            )
+            self._count_drop("bad", key, msg, f"{n} payload bytes for {list(msg.shape)}")
             return False
         if staged is None:
             into.copy_(buf)
-        del waiting[msg.sender]
-        self._filled.add(msg.sender)
+        return self._landed(msg.sender, waiting)
+
+    def _landed(self, sender: int, waiting: dict) -> bool:
+        """``sender``'s tensor is filled: no longer waited for; True."""
+        del waiting[sender]
+        self._filled.add(sender)
         return True
 
     def _place(self, key, msg: _Msg, waiting: dict) -> bool:
@@ -602,9 +598,7 @@ class ZmqComm:
         _copy_frames([f.buffer for f in msg.data], dest)
         if dest is not into:
             into.copy_(dest)
-        del waiting[msg.sender]
-        self._filled.add(msg.sender)
-        return True
+        return self._landed(msg.sender, waiting)
 
     def _holding(self, into: torch.Tensor) -> bool:
         """Whether the active exchange keeps the frames meant for ``into`` (hold=True)."""
@@ -625,9 +619,7 @@ class ZmqComm:
             self._parts[msg.sender] = [torch.from_numpy(b).view(into.dtype) for b in bufs]
         else:
             _copy_frames(bufs, into)
-        del waiting[msg.sender]
-        self._filled.add(msg.sender)
-        return True
+        return self._landed(msg.sender, waiting)
 
     def _what(self, key) -> str:
         return f"{_KINDS[key[2]]} #{key[3]} of round {key[0]}, phase {key[1]}"
