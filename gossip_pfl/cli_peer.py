@@ -38,7 +38,7 @@ import numpy as np
 from gossip_pfl.cli import nonempty
 from gossip_pfl.config import load_config, path_override, read_yaml
 from gossip_pfl.errors import KILLED_EXIT, GossipError
-from gossip_pfl.metrics import score_entries
+from gossip_pfl.metrics import mixture_entries, score_entries
 from gossip_pfl.rundir import (
     CHECKPOINT_FILE,
     REJOINS,
@@ -673,9 +673,7 @@ def _merge_round(rnd: int, by_process: dict[int, dict]) -> dict:
         "client_test_accuracy": client,
     }
     if all(r.get("peer_pi") is not None for r in rows):  # (a null one: no weights there)
-        pi = np.concatenate([r["peer_pi"] for r in rows])[order]
-        row["mixture_weights"] = [round(float(w), 5) for w in pi.mean(0)]
-        row["mixture_leaders"] = np.bincount(pi.argmax(1), minlength=pi.shape[1]).tolist()
+        row.update(mixture_entries(np.concatenate([r["peer_pi"] for r in rows])[order]))
     return row
 
 

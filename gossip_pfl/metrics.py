@@ -38,6 +38,19 @@ def unseen_entries(acc: np.ndarray, counts: np.ndarray) -> dict:
             "unseen_test_accuracy_p10": float(np.percentile(acc[has], 10))}  # fmt: skip
 
 
+def mixture_entries(pi: np.ndarray) -> dict:
+    """Each component's mean mixture weight over the peers of ``pi`` (n, M), and how many put
+    their largest weight on it: a component dying out or taking over every client shows.
+
+    >>> mixture_entries(np.array([[0.9, 0.1], [0.6, 0.4], [0.2, 0.8]]))
+    {'mixture_weights': [0.56667, 0.43333], 'mixture_leaders': [2, 1]}
+    """
+    return {
+        "mixture_weights": [round(float(w), 5) for w in pi.mean(0)],
+        "mixture_leaders": np.bincount(pi.argmax(1), minlength=pi.shape[1]).tolist(),
+    }
+
+
 def _weighted(values: np.ndarray, counts: np.ndarray) -> float:
     return float((values * counts).sum() / max(counts.sum(), 1))
 

@@ -40,7 +40,7 @@ from gossip_pfl.algorithms.rules import Average, Inbox, build_rule, check_rule, 
 from gossip_pfl.config import RuleConfig, RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop, digest31, rows_unlike_rank0
-from gossip_pfl.metrics import recovery_entry, score_entries, unseen_entries
+from gossip_pfl.metrics import mixture_entries, recovery_entry, score_entries, unseen_entries
 from gossip_pfl.models import build_model, check_model_reads
 from gossip_pfl.runtime.comm import (
     comm_from_config,
@@ -1403,12 +1403,7 @@ class Trainer(RoundLoop):
         put their largest weight on it: a component dying out or taking over every client
         shows here (empty without mixture weights)."""
         pi = self.gathered_pi()
-        if pi is None:
-            return {}
-        return {
-            "mixture_weights": [round(float(w), 5) for w in pi.mean(0)],
-            "mixture_leaders": np.bincount(pi.argmax(1), minlength=self.M).tolist(),
-        }
+        return {} if pi is None else mixture_entries(pi)
 
     def gathered_pi(self) -> np.ndarray | None:
         """Every training peer's mixture weights (n, M), on every rank; None for one model."""
