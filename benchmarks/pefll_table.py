@@ -61,7 +61,7 @@ def descriptor_analysis(rounds: int, seed: int, out: Path, alpha: float = 0.1) -
     PeFLL on a Dirichlet(alpha) split (no unseen clients)."""
     from scipy.stats import spearmanr
 
-    from gossip_pfl.algorithms.pefll import PeFLLRun
+    from gossip_pfl.pefll_run import PeFLLRun
 
     cfg = load_config(CONFIGS / "pefll.yaml", [
         f"seed={seed}", f"rounds={rounds}", f"eval.every={rounds}", f"out={out / 'descriptors'}",

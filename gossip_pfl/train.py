@@ -1521,7 +1521,7 @@ def _where(mask: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> torch.Te
 WORKLOADS: dict[str, str | type[RoundLoop]] = {
     "model": "gossip_pfl.train:Trainer",
     "expfam": "gossip_pfl.expfam.run:ExpFamRun",
-    "pefll": "gossip_pfl.algorithms.pefll:PeFLLRun",
+    "pefll": "gossip_pfl.pefll_run:PeFLLRun",
 }
 
 

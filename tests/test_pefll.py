@@ -1,6 +1,7 @@
-"""PeFLL (gossip_pfl.algorithms.pefll): the split protocol against autograd through h(v(S)),
-stateless clients, the hub's Adam against torch.optim.Adam, checkpoints and resume, message
-bytes, 1 process against 2 Gloo ranks, and bad input through the CLI."""
+"""PeFLL (gossip_pfl.algorithms.pefll, gossip_pfl.pefll_run): the split protocol against
+autograd through h(v(S)), stateless clients, the hub's Adam against torch.optim.Adam,
+checkpoints and resume, message bytes, 1 process against 2 Gloo ranks, and bad input through
+the CLI."""
 
 from __future__ import annotations
 
@@ -13,15 +14,16 @@ import torch
 from _helpers import check_ranks_refuse_other_checkpoints, run_ranks
 from torch.func import functional_call
 
-from gossip_pfl import checkpoint
+from gossip_pfl import checkpoint, pefll_run
 from gossip_pfl.algorithms import pefll
-from gossip_pfl.algorithms.pefll import PeFLLHub, PeFLLRun
+from gossip_pfl.algorithms.pefll import PeFLLHub
 from gossip_pfl.algorithms.rules import Inbox
 from gossip_pfl.cli import main
 from gossip_pfl.config import load_config
 from gossip_pfl.data.base import ClientData, FederatedDataset
 from gossip_pfl.errors import GossipError
 from gossip_pfl.models import LabelEmbedding, LeNet, LeNetEmbedding, build_model
+from gossip_pfl.pefll_run import PeFLLRun
 from gossip_pfl.train import run
 
 torch.set_num_threads(1)
@@ -294,14 +296,14 @@ def test_local_steps_in_pieces_at_once_equal_all_clients_at_once(threads, tmp_pa
     theta = torch.randn(5, r.layout.numel, generator=torch.Generator().manual_seed(0)) * 0.1
     rows = np.arange(5)
     calls = []
-    real = pefll.map_pieces
+    real = pefll_run.map_pieces
 
     def counted(fn, pieces, k):
         calls.append([p.stop - p.start for p in pieces])
         return real(fn, pieces, k)
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(pefll, "map_pieces", counted)
+        mp.setattr(pefll_run, "map_pieces", counted)
         r.forward.piece_threads = lambda device: 1
         one = r.local_steps(theta, rows, 0)
         r.forward.piece_threads = lambda device: threads
