@@ -38,6 +38,16 @@ def unseen_entries(acc: np.ndarray, counts: np.ndarray) -> dict:
             "unseen_test_accuracy_p10": float(np.percentile(acc[has], 10))}  # fmt: skip
 
 
+def client_accuracies(acc: np.ndarray, counts: np.ndarray) -> list[float | None]:
+    """Each client's test accuracy, rounded, None for a client without test samples (its
+    0.0 was drawn in the histogram beside a mean that left it out).
+
+    >>> client_accuracies(np.array([0.5, 0.0, 0.123456]), np.array([4, 0, 2]))
+    [0.5, None, 0.12346]
+    """
+    return [round(float(a), 5) if n > 0 else None for a, n in zip(acc, counts, strict=True)]
+
+
 def mixture_entries(pi: np.ndarray) -> dict:
     """Each component's mean mixture weight over the peers of ``pi`` (n, M), and how many put
     their largest weight on it: a component dying out or taking over every client shows.

@@ -25,7 +25,7 @@ from gossip_pfl.algorithms.rules import Inbox, State
 from gossip_pfl.config import RunConfig, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop
-from gossip_pfl.metrics import score_entries, unseen_entries
+from gossip_pfl.metrics import client_accuracies, score_entries, unseen_entries
 from gossip_pfl.models import EMBEDDINGS, build_model, check_model_reads
 from gossip_pfl.runtime.comm import gather_rows, init_comm, set_cuda_numerics
 from gossip_pfl.runtime.data import PaddedSplit, RankData, client_ids, round_batches
@@ -348,7 +348,7 @@ class PeFLLRun(RoundLoop):
             "bytes_per_round": sum(self.kind_bytes.values()) / (t + 1),
             "seconds_local": self.times["local"],
             "seconds_exchange": self.times["exchange"],
-            "client_test_accuracy": [round(float(a), 5) for a in te_acc],
+            "client_test_accuracy": client_accuracies(te_acc, test[2]),
         }
         if len(self.unseen_ids):
             ((_, acc, n),) = self.evaluate(self.unseen_train, [self.unseen_test],

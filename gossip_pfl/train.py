@@ -40,7 +40,13 @@ from gossip_pfl.algorithms.rules import Average, Inbox, build_rule, check_rule, 
 from gossip_pfl.config import RuleConfig, RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop, digest31, rows_unlike_rank0
-from gossip_pfl.metrics import mixture_entries, recovery_entry, score_entries, unseen_entries
+from gossip_pfl.metrics import (
+    client_accuracies,
+    mixture_entries,
+    recovery_entry,
+    score_entries,
+    unseen_entries,
+)
 from gossip_pfl.models import build_model, check_model_reads
 from gossip_pfl.runtime.comm import (
     comm_from_config,
@@ -1390,7 +1396,7 @@ class Trainer(RoundLoop):
             **self.traffic(),
             "seconds_local": self.times["local"],
             "seconds_exchange": self.times["exchange"],
-            "client_test_accuracy": [round(float(a), 5) for a in te_acc],
+            "client_test_accuracy": client_accuracies(te_acc, test[2]),
             **self.mixture_usage(),
         }
         if len(self.unseen_ids):

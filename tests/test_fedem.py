@@ -583,3 +583,15 @@ def test_an_unseen_client_without_test_samples_is_left_out_of_their_mean(tmp_pat
     _, acc, n = tr.evaluate_unseen()
     assert n.tolist() == [30, 0] and acc[0] > 0
     assert tr.metrics_row(0)["unseen_test_accuracy"] == acc[0]
+
+
+def test_a_client_without_test_samples_has_no_accuracy_not_zero(tmp_path):
+    """Its 0.0 stood in client_test_accuracy (the histogram) while the mean left it out."""
+    ds = toy_dataset(6)
+    c = ds.clients[2]
+    ds.clients[2] = ClientData(c.x_train, c.y_train, c.x_val, c.y_val, c.x_test[:0], c.y_test[:0])
+    summary = Trainer(cfg_for(tmp_path, rounds=1), dataset=ds, log=quiet).run()
+    acc = summary["client_test_accuracy"]
+    assert acc[2] is None and all(isinstance(a, float) for i, a in enumerate(acc) if i != 2)
+    mean = np.mean([a for a in acc if a is not None])  # (of accuracies rounded to 5 digits)
+    assert summary["test_accuracy"] == pytest.approx(mean, abs=1e-5)
