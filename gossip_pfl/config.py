@@ -478,6 +478,9 @@ def _check_read(cfg: RunConfig, spec) -> None:
     if spec.workload != "pefll" and (given := _changed("pefll", cfg.pefll, PeFLLConfig())):
         raise GossipError(f"config key(s) {given} are for algorithm 'pefll'; '{a.name}' does "
                           "not read them")  # fmt: skip
+    if not cfg.check_schedule and spec.topology != "given":  # (no gossip schedule to check)
+        raise GossipError(f"config key 'check_schedule' is false but '{a.name}' builds no "
+                          "gossip schedule to check")  # fmt: skip
     if spec.workload != "model":  # EM and PeFLL read algorithm.name alone
         if given := _changed("algorithm", a, AlgorithmConfig(name=a.name)):
             own = {"expfam": " (its keys are expfam.*)", "pefll": " (its keys are pefll.*)"}
@@ -513,6 +516,11 @@ def _check_read(cfg: RunConfig, spec) -> None:
     if cfg.eval.unseen_em != EvalConfig.unseen_em and one_model:
         raise GossipError(f"config key 'eval.unseen_em' is {cfg.eval.unseen_em!r} but "
                           f"'{a.name}' fits no mixture weights (M = 1)")  # fmt: skip
+    for key in ("pi_init", "q_smoothing"):  # (fedem with M = 1 ran as if they were unset)
+        if one_model and not spec.single_model and getattr(a, key) != getattr(AlgorithmConfig, key):
+            raise GossipError(f"config key 'algorithm.{key}' is {getattr(a, key)!r} but "
+                              f"'{a.name}' with algorithm.components 1 has no mixture "
+                              "weights")  # fmt: skip
     star = spec.topology == "server" and rule != "clustered"  # (clustered weighs by size)
     if cfg.aggregation != RunConfig.aggregation and not star:
         raise GossipError(f"config key 'aggregation' is {cfg.aggregation!r} but '{a.name}' has "

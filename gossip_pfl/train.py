@@ -191,6 +191,9 @@ class Trainer(RoundLoop):
             dataset = load_dataset(cfg.data.name, **cfg.data.options)
         self.dataset = dataset
         self.train_ids, self.unseen_ids = client_ids(dataset)
+        if cfg.eval.unseen_em != "converge" and not len(self.unseen_ids):  # (ran unheeded)
+            raise GossipError(f"config key 'eval.unseen_em' is {cfg.eval.unseen_em!r} but the "
+                              "data holds no unseen clients (data.unseen_fraction)")  # fmt: skip
         n = len(self.train_ids)
         sizes = np.array([len(dataset.clients[i].y_train) for i in self.train_ids])
         self.n_peers = n

@@ -179,6 +179,20 @@ def test_runs_refused_before_training(tmp_path, capsys, sets, pattern):
             ["algorithm.name=fedem", "algorithm.components=1", "eval.unseen_em=one_step"],
             r"'one_step' but 'fedem' fits no mixture weights \(M = 1\)$",
         ),
+        # each ran as if unset: no mixture weights with M = 1, no schedule on a server
+        (
+            ["algorithm.name=fedem", "algorithm.components=1", "algorithm.q_smoothing=0.5"],
+            r"'algorithm.q_smoothing' is 0.5 but 'fedem' with algorithm.components 1 has no",
+        ),
+        (
+            ["algorithm.name=fedem", "algorithm.components=1", "algorithm.pi_init=random"],
+            r"'algorithm.pi_init' is 'random' but 'fedem' with algorithm.components 1",
+        ),
+        (["check_schedule=false"], r"'check_schedule' is false but 'fedavg' builds no gossip"),
+        (
+            ["algorithm.name=fedem", "data.unseen_fraction=0", "eval.unseen_em=one_step"],
+            r"'eval.unseen_em' is 'one_step' but the data holds no unseen clients",
+        ),
     ],
 )
 def test_keys_no_part_of_the_run_reads_are_refused(tmp_path, capsys, sets, pattern):

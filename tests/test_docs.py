@@ -175,7 +175,8 @@ def small_run_args(args: list[str]) -> list[str]:
     spec = get_algorithm(cfg.algorithm.name)
     workload = spec.workload
     mixture = not spec.single_model and cfg.algorithm.components > 1
-    if workload == "model" and mixture:  # (the others' runs refuse a key they do not read)
+    # (the others' runs, and runs without unseen clients, refuse a key they do not read)
+    if workload == "model" and mixture and data.get("unseen_fraction", 0) > 0:
         extra["eval.unseen_em"] = "one_step"
     if workload == "expfam":  # its data is expfam.*
         pass
