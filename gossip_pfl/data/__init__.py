@@ -264,21 +264,28 @@ def _choose_writers(
             hint = f"; data.min_samples: {need} leaves such writers out without this warning"
         warnings.warn(f"{kind}: {n_users - len(writers) - int(low.sum())} of {n_users} writers "
                       f"left out: {said}{hint}", stacklevel=5)  # fmt: skip
+    # the seeded choice draws from the writers with min_samples, as before the others were
+    # left out (a run refused then), and keeps the first that are kept: a config that ran
+    # then picks the same writers now
+    writers = np.flatnonzero(~low)
     rng = np.random.default_rng([opts["seed"], 0x1EAF])
     if opts["writer_fraction"] != 1.0:
         if not 0 < opts["writer_fraction"] <= 1:
             raise GossipError(
                 f"{kind}: writer_fraction must be in (0, 1], got {opts['writer_fraction']}"
             )
-        writers = rng.permutation(writers)[: max(1, round(opts["writer_fraction"] * len(writers)))]
+        drawn = rng.permutation(writers)
+        writers = drawn[kept[drawn]][: max(1, round(opts["writer_fraction"] * len(writers)))]
     if opts["n_clients"] is not None:
-        if not 1 <= opts["n_clients"] <= len(writers):
+        available = int(kept[writers].sum())
+        if not 1 <= opts["n_clients"] <= available:
             raise GossipError(
-                f"{kind}: n_clients must be in 1..{len(writers)} (writers available), "
+                f"{kind}: n_clients must be in 1..{available} (writers available), "
                 f"got {opts['n_clients']}" + (f"; left out: {said}" if said else "")
             )
-        writers = rng.permutation(writers)[: opts["n_clients"]]
-    return np.sort(writers), left_out
+        drawn = rng.permutation(writers)
+        writers = drawn[kept[drawn]][: opts["n_clients"]]
+    return np.sort(writers[kept[writers]]), left_out
 
 
 def _fit_split(kind: str, counts: np.ndarray, split: tuple[float, float, float]) -> np.ndarray:
