@@ -394,7 +394,9 @@ def load_config(
     data = dict(base or {})
     if path is not None:
         data = read_yaml(path)
-        _resolve_paths(data, Path(path).parent)  # a config's paths are relative to it
+        # a config's paths are relative to it; a resume's saved config from before data paths
+        # were held absolute named them relative to the working folder
+        _resolve_paths(data, Path(path).parent, None if unread else Path.cwd())
     data = apply_overrides(data, list(overrides))
     _resolve_paths(data, Path.cwd())  # --set paths to the working folder (others: absolute)
     cfg = from_dict(RunConfig, data)
@@ -402,15 +404,16 @@ def load_config(
     return cfg
 
 
-def _resolve_paths(data: dict, base: Path) -> None:
-    """The schedule file, an inline graph file, the peers file and the data's folders joined
-    to ``base`` and held absolute (an absolute one stays as it is, ``~`` expanded): the run's
-    config.yaml, read again by a resume from its own folder, named them relative to the
-    working folder."""
+def _resolve_paths(data: dict, base: Path, data_base: Path | None = None) -> None:
+    """The schedule file, an inline graph file, the peers file and the data's folders (joined
+    to ``data_base`` if given) joined to ``base`` and held absolute (an absolute one stays as
+    it is, ``~`` expanded): the run's config.yaml, read again by a resume from its own folder,
+    named them relative to the working folder."""
     base = base.absolute()
     section = data.get("data")
     if isinstance(section, dict):  # (a LEAF root beside its config was looked for in the cwd)
-        paths = {k: str(base / Path(v).expanduser()) for k, v in section.items()
+        folder = (data_base or base).absolute()
+        paths = {k: str(folder / _expand(v, f"data.{k}")) for k, v in section.items()
                  if k in ("root", "cache_dir") and isinstance(v, str) and v.strip()}  # fmt: skip
         data["data"] = {**section, **paths}
     sched = data.get("schedule")
@@ -423,6 +426,16 @@ def _resolve_paths(data: dict, base: Path) -> None:
     rt = data.get("runtime")
     if isinstance(rt, dict) and isinstance(rt.get("peers"), str) and rt["peers"].strip():
         data["runtime"] = {**rt, "peers": str(base / rt["peers"])}
+
+
+def _expand(path: str, key: str) -> Path:
+    """``path`` with ``~`` or ``~user`` expanded; an unknown user is the key's error."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:  # ("Could not determine home directory.")
+        raise GossipError(
+            f"config key '{key}': cannot expand {path!r} (no such user's home folder)"
+        ) from None
 
 
 def _changed(section: str, value, default) -> str:

@@ -209,6 +209,13 @@ def test_data_folders_are_relative_to_the_config_and_held_absolute(tmp_path, mon
     argv = ["run", "x.yaml", "--set", "data.cache_dir=~/c", "--out", "../run2", "--quiet",
             "--no-plots"]  # fmt: skip
     assert main(argv) == 0 and any((tmp_path / "home" / "c").iterdir())
+    # a run saved before: its config.yaml named the folder relative to the working folder,
+    # where its resume still looks (not in the run's folder)
+    saved = tmp_path / "run" / "config.yaml"
+    saved.write_text(saved.read_text().replace(str(tmp_path / "cfg" / "cache"), "cfg/cache"))
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--resume", "run", "--set", "rounds=5", "--quiet", "--no-plots"]) == 0
+    assert not (tmp_path / "run" / "cfg").exists()
 
 
 def test_overwrite_replaces_the_old_runs_files_once_the_new_run_is_built(tmp_path, capsys):
