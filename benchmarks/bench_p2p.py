@@ -146,7 +146,8 @@ def _block_means(run: dict, out: Path, who: int) -> tuple[float, float]:
     """(mean test accuracy of process ``who``'s peers, mean of every other peer's)."""
     acc = np.array(run["summary"]["client_test_accuracy"], dtype=float)
     mine = json.loads((out / "peers" / str(who) / "summary.json").read_text())["peers"]
-    return float(acc[mine].mean()), float(np.delete(acc, mine).mean())
+    # (null, NaN here: a peer without test samples, or one that did not report)
+    return float(np.nanmean(acc[mine])), float(np.nanmean(np.delete(acc, mine)))
 
 
 def case_kill(args) -> dict:

@@ -38,7 +38,7 @@ import numpy as np
 from gossip_pfl.cli import nonempty
 from gossip_pfl.config import load_config, path_override, read_yaml
 from gossip_pfl.errors import KILLED_EXIT, GossipError
-from gossip_pfl.metrics import mixture_entries, score_entries
+from gossip_pfl.metrics import client_accuracies, mixture_entries, score_entries
 from gossip_pfl.rundir import (
     CHECKPOINT_FILE,
     REJOINS,
@@ -662,8 +662,8 @@ def _merge_round(rnd: int, by_process: dict[int, dict]) -> dict:
     te_acc, te_loss, te_n = cat("peer_test_accuracy"), cat("peer_test_loss"), cat("peer_test_count")
     n_total = int(peers.max()) + 1
     client = [None] * n_total
-    for p, a in zip(peers[order], te_acc):
-        client[int(p)] = round(float(a), 5)
+    for p, a in zip(peers[order], client_accuracies(te_acc, te_n)):  # (None: no test sample)
+        client[int(p)] = a
     row = {
         "round": rnd,
         "peers_reporting": len(peers),

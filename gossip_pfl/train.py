@@ -37,7 +37,7 @@ from gossip_pfl.algorithms import (
 from gossip_pfl.algorithms.losses import num_outputs, sample_loss
 from gossip_pfl.algorithms.mixture import MixtureSurrogate, fit_mixture_weights
 from gossip_pfl.algorithms.rules import Average, Inbox, build_rule, check_rule, gossip_rules
-from gossip_pfl.config import RuleConfig, RunConfig, read_yaml, to_dict
+from gossip_pfl.config import EvalConfig, RuleConfig, RunConfig, read_yaml, to_dict
 from gossip_pfl.errors import GossipError
 from gossip_pfl.loop import RoundLoop, digest31, rows_unlike_rank0
 from gossip_pfl.metrics import (
@@ -146,8 +146,9 @@ def build_schedule(cfg: RunConfig, n: int, spec: AlgorithmSpec):
         schedule = schedule_from_spec(sched, base_dir=base_dir)
     except TopologyError as err:  # an inline spec's keys are the config's schedule.* keys
         if "but n is" in str(err):  # (a demo's 18 clients made n 14, unsaid)
-            err = TopologyError(f"{err} (the run's training peers: its clients less those "
-                                "data.unseen_fraction holds out)")  # fmt: skip
+            n_is = ("its workers, expfam.clients" if spec.workload == "expfam" else
+                    "its clients less those data.unseen_fraction holds out")  # fmt: skip
+            err = TopologyError(f"{err} (the run's training peers: {n_is})")
         if file:  # a schedule file: the message names it
             raise TopologyError(f"schedule file {file}: {err}") from None
         keyed = str(err).split(":")[0] in KNOWN_KEYS
@@ -191,9 +192,6 @@ class Trainer(RoundLoop):
             dataset = load_dataset(cfg.data.name, **cfg.data.options)
         self.dataset = dataset
         self.train_ids, self.unseen_ids = client_ids(dataset)
-        if cfg.eval.unseen_em != "converge" and not len(self.unseen_ids):  # (ran unheeded)
-            raise GossipError(f"config key 'eval.unseen_em' is {cfg.eval.unseen_em!r} but the "
-                              "data holds no unseen clients (data.unseen_fraction)")  # fmt: skip
         n = len(self.train_ids)
         sizes = np.array([len(dataset.clients[i].y_train) for i in self.train_ids])
         self.n_peers = n
@@ -1462,6 +1460,15 @@ class Trainer(RoundLoop):
             "client_test_accuracy": last["client_test_accuracy"],
             **{k: v for k, v in last.items() if k.startswith(("unseen_", "mixture_"))},
         }
+
+    def run(self, resume: bool = False) -> dict:
+        # eval.unseen_em where no client is held out ran unheeded: refused where the data is
+        # known, on a fresh start (a resume goes on as it started, as validate's checks do)
+        em = self.cfg.eval.unseen_em
+        if not resume and em != EvalConfig.unseen_em and not len(self.unseen_ids):
+            raise GossipError(f"config key 'eval.unseen_em' is {em!r} but the data holds no "
+                              "unseen clients (data.unseen_fraction)")  # fmt: skip
+        return super().run(resume)
 
     def describe(self) -> str:
         """The run's first log line: it names the schedule actually used."""

@@ -113,6 +113,7 @@ def test_an_empty_fmmc_cache_file_is_solved_again(tmp_path):
 @pytest.mark.parametrize(("w", "kept"), [
     ([1 / 3, 1 / 3, 1 / 3], True),  # the triangle's fastest-mixing weights
     ([1 / 3, 1 / 3, 1 / 3 + 1e-7], True),  # the solver's noise (cleaned up after the read)
+    ([0.502, 0.5, 0.5], True),  # SCS at its iteration cap: a node's weights at 1.002
     ([0.6, 0.6, 0.6], False),  # each node's weights sum past 1: another rho, unsaid
     ([np.nan, 0.2, 0.2], False),  # was blamed on the spec's graph ("entry is not finite")
     ([-0.2, 0.3, 0.3], False),
@@ -232,14 +233,23 @@ def test_keys_an_em_run_does_not_read_are_refused(tmp_path, capsys, sets, patter
         load_config(ROOT / "configs/expfam/gmm2d_fedem.yaml", [noop])
 
 
-def test_a_run_made_before_the_unread_keys_check_resumes(tmp_path, monkeypatch):
-    """Its checkpoint's config holds the key, which a resume must not change."""
+@pytest.mark.parametrize(
+    "sets",
+    [["rule.lr=5"], ["algorithm.name=fedem", "data.unseen_fraction=0", "eval.unseen_em=one_step"]],
+)
+def test_a_run_made_before_the_unread_keys_check_resumes(tmp_path, monkeypatch, sets):
+    """Its checkpoint's config holds the key, which a resume must not change (the second is
+    checked where the data is known, by the trainer)."""
     from gossip_pfl import config
+    from gossip_pfl.loop import RoundLoop
+    from gossip_pfl.train import Trainer
 
     cfg, out = str(ROOT / "configs/synthetic/fedavg.yaml"), str(tmp_path / "run")
-    argv = ["run", cfg, *SMALL, "--set", "rule.lr=5", "--quiet", "--no-plots", "--out", out]
+    argv = ["run", cfg, *SMALL, "--quiet", "--no-plots", "--out", out]
+    argv += [x for s in sets for x in ("--set", s)]
     with monkeypatch.context() as m:
-        m.setattr(config, "_check_read", lambda cfg, spec: None)  # as before the check
+        m.setattr(config, "_check_read", lambda cfg, spec: None)  # as before the checks
+        m.setattr(Trainer, "run", RoundLoop.run)
         assert main(argv) == 0
     assert main(["run", "--resume", out, "--set", "rounds=2", "--quiet", "--no-plots"]) == 0
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["rounds"] == 2
@@ -777,3 +787,14 @@ def test_merge_takes_a_null_peer_pi_as_no_weights(tmp_path):
     _edit(run / "peers" / "1" / "metrics.jsonl", peer_pi=[[0.25, 0.75], [0.5, 0.5]])
     summary = cli_peer.merge(run)
     assert summary["peers_reporting"] == 4 and "mixture_weights" not in summary
+
+
+def test_merge_gives_a_peer_without_test_samples_no_accuracy(tmp_path):
+    """Its 0.0 stood in the merged client_test_accuracy (one process's run has null there),
+    while the mean left it out."""
+    run = _peer_run(tmp_path)
+    _edit(run / "peers" / "1" / "metrics.jsonl", peer_test_count=[5, 0])
+    with pytest.warns(UserWarning, match="no consensus distance"):  # (no checkpoints here)
+        summary = cli_peer.merge(run)
+    assert summary["client_test_accuracy"] == [0.0, 0.5, 0.25, None]
+    assert summary["test_accuracy"] == pytest.approx((0.0 + 0.5 + 0.25) / 3)
