@@ -122,7 +122,11 @@ def cmd_peer(args: argparse.Namespace) -> int:
     read_yaml(args.config)  # a missing or malformed config fails here, naming it
     # (a restarted process resumes its run: its config is left as it started)
     unread = not args.resume
-    cfg = load_config(args.config, [*args.overrides, "runtime.transport=zmq"], unread=unread)
+    # the process's own saved config (peers-local --resume), or the user's
+    own = args.out and Path(args.out) / "peers" / str(args.id) / "config.yaml"
+    saved = bool(args.resume and own and Path(args.config).resolve() == own.resolve())
+    cfg = load_config(args.config, [*args.overrides, "runtime.transport=zmq"], unread=unread,
+                      saved=saved)  # fmt: skip
     _check_workload(cfg)
     run_dir = Path(args.out or cfg.out)
     rt = cfg.runtime
@@ -137,7 +141,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
             raise GossipError(f"runtime.faults.kill: id {kill['id']} is not in peers file {source}")
     out = run_dir / "peers" / str(args.id)
     overrides = [*args.overrides, "runtime.transport=zmq", path_override("out", out)]
-    cfg = load_config(args.config, overrides, unread=unread)
+    cfg = load_config(args.config, overrides, unread=unread, saved=saved)
     check_out_dir(out, args.resume, args.overwrite)
     dataset = load_dataset(cfg.data.name, **cfg.data.options)
     n = _training_peers(dataset)
@@ -313,7 +317,8 @@ def _resume_local(args: argparse.Namespace) -> int:
     extra = [x for o in args.overrides for x in ("--set", o)]
     argvs = [["peer", str(config), "--peers", str(peers), "--out", str(run_dir), "--quiet",
               "--id", str(k), "--resume", *extra] for k, config in enumerate(configs)]  # fmt: skip
-    cfg = load_config(configs[0], [*args.overrides, "runtime.transport=zmq"], unread=False)
+    cfg = load_config(configs[0], [*args.overrides, "runtime.transport=zmq"], unread=False,
+                      saved=True)  # fmt: skip
     _check_finished(run_dir, configs, cfg.rounds)
     if any(o.split("=", 1)[0].strip() == "rounds" for o in args.overrides):
         _check_rounds(run_dir, len(configs), cfg.rounds)

@@ -79,7 +79,8 @@ def cmd_run(args: argparse.Namespace) -> int:
                               f"{args.resume}")  # fmt: skip
         # the run's own resolved config, unless one is given (then it must match the checkpoint)
         source = args.config or str(Path(args.resume) / "config.yaml")
-        cfg = load_config(source, overrides + [path_override("out", args.resume)], unread=False)
+        cfg = load_config(source, overrides + [path_override("out", args.resume)], unread=False,
+                          saved=args.config is None)  # fmt: skip
     elif args.config:
         read_yaml(args.config)  # a missing or malformed file fails here, naming it
         cfg = load_config(args.config, overrides)

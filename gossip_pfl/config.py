@@ -388,15 +388,17 @@ def load_config(
     overrides: list[str] = (),
     base: dict | None = None,
     unread: bool = True,
+    saved: bool = False,
 ) -> RunConfig:
     """Defaults, then ``base`` (an embedded config) or the file at ``path``, then overrides;
-    checked (:func:`validate`; ``unread`` False for a resume)."""
+    checked (:func:`validate`; ``unread`` False for a resume). ``saved``: ``path`` is a run's
+    own config.yaml, whose relative data folders (saved before they were held absolute) are
+    relative to the working folder, as that run read them."""
     data = dict(base or {})
     if path is not None:
         data = read_yaml(path)
-        # a config's paths are relative to it; a resume's saved config from before data paths
-        # were held absolute named them relative to the working folder
-        _resolve_paths(data, Path(path).parent, None if unread else Path.cwd())
+        # a config's paths are relative to it
+        _resolve_paths(data, Path(path).parent, Path.cwd() if saved else None)
     data = apply_overrides(data, list(overrides))
     _resolve_paths(data, Path.cwd())  # --set paths to the working folder (others: absolute)
     cfg = from_dict(RunConfig, data)

@@ -97,8 +97,8 @@ DATA_OPTIONS: dict[str, str] = {
     + ", ".join(EMNIST_SPLITS)
     + "; EMNIST keeps the 60/20/20 client split",
     # LEAF
-    "writer_fraction": "seeded share of the writers kept: round(f x writers), at least one "
-    "(FedEM used 0.15 on FEMNIST)",
+    "writer_fraction": "seeded share of the writers with min_samples drawn: round(f x those), "
+    "at least one, less those the split cannot cut (FedEM used 0.15 on FEMNIST)",
     "min_samples": "writers with fewer samples are dropped (and, with a warning, those the "
     "split cannot cut: docs/data.md)",
     "leaf_split": "keep LEAF's own test files as the test sets (train / val from `split`); "

@@ -50,6 +50,7 @@ class PeerTrainer(Trainer):
         # exchanges: merge counted both); only now, once the run is built
         try:
             if not resume:  # a fresh start needs every process
+                self.check_fresh()  # (before it waits for them)
                 self.hold_folder()  # (before its files are opened)
                 self.links = open(Path(self.cfg.out) / "links.jsonl", "w", buffering=1)  # noqa: SIM115
                 self.comm.join(0, need_all=True)

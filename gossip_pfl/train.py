@@ -1462,13 +1462,18 @@ class Trainer(RoundLoop):
         }
 
     def run(self, resume: bool = False) -> dict:
-        # eval.unseen_em where no client is held out ran unheeded: refused where the data is
-        # known, on a fresh start (a resume goes on as it started, as validate's checks do)
+        if not resume:
+            self.check_fresh()
+        return super().run(resume)
+
+    def check_fresh(self) -> None:
+        """A fresh start's checks that need the data (a resume goes on as it started, as
+        validate's checks of keys it does not read do): eval.unseen_em where no client is
+        held out ran unheeded."""
         em = self.cfg.eval.unseen_em
-        if not resume and em != EvalConfig.unseen_em and not len(self.unseen_ids):
+        if em != EvalConfig.unseen_em and not len(self.unseen_ids):
             raise GossipError(f"config key 'eval.unseen_em' is {em!r} but the data holds no "
                               "unseen clients (data.unseen_fraction)")  # fmt: skip
-        return super().run(resume)
 
     def describe(self) -> str:
         """The run's first log line: it names the schedule actually used."""

@@ -350,17 +350,22 @@ def test_leaf_split_leaves_out_writers_missing_from_a_split(tmp_path):
     )
 
 
-@pytest.mark.parametrize("option", [{"n_clients": 3}, {"writer_fraction": 0.5}])
+@pytest.mark.parametrize(
+    "option", [{"n_clients": 3}, {"writer_fraction": 0.5}, {"writer_fraction": 0.5, "n_clients": 2}]
+)
 def test_a_seed_picks_the_writers_it_picked_before_small_ones_were_left_out(tmp_path, option):
     """The seeded choice draws among the writers with min_samples, then keeps those the split
-    can cut: where no small writer was drawn (the run was refused otherwise), the same writers
+    can cut: where no small writer was chosen (the run was refused otherwise), the same writers
     as before (drawing among the kept ones changed the pick, and every such run's numbers)."""
     _shakespeare_writers(tmp_path, [4, 5, 2, 4, 5, 4, 6])  # w2: 2 samples, too few for 60/20/20
-    writers = np.arange(7)  # (all have min_samples = 2)
     for seed in range(12):
-        rng = np.random.default_rng([seed, 0x1EAF])
-        k = option.get("n_clients") or round(0.5 * len(writers))
-        before = sorted(rng.permutation(writers)[:k])  # the choice as it was made
+        rng = np.random.default_rng([seed, 0x1EAF])  # the choice as it was made:
+        before = np.arange(7)  # (all have min_samples = 2)
+        if "writer_fraction" in option:
+            before = rng.permutation(before)[: round(0.5 * 7)]
+        if "n_clients" in option:
+            before = rng.permutation(before)[: option["n_clients"]]
+        before, k = sorted(before), len(before)
         with pytest.warns(UserWarning, match="1 with too few samples"):
             ds = load_dataset("shakespeare", root=tmp_path, seed=seed, **option)
         if 2 not in before:

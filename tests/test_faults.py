@@ -216,6 +216,12 @@ def test_data_folders_are_relative_to_the_config_and_held_absolute(tmp_path, mon
     monkeypatch.chdir(tmp_path)
     assert main(["run", "--resume", "run", "--set", "rounds=5", "--quiet", "--no-plots"]) == 0
     assert not (tmp_path / "run" / "cfg").exists()
+    # a resume given the user's own config reads it relative to that config, as a run does
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    argv = ["run", "../cfg/x.yaml", "--resume", "../run", "--set", "rounds=6", "--quiet",
+            "--no-plots"]  # fmt: skip
+    assert main(argv) == 0 and not any((tmp_path / "elsewhere").iterdir())
 
 
 def test_overwrite_replaces_the_old_runs_files_once_the_new_run_is_built(tmp_path, capsys):

@@ -305,7 +305,7 @@ def _fmmc_path(n: int, u: np.ndarray, v: np.ndarray, chosen: str, options: dict)
 #: at most 1) and still be the solver's raw output, which the cache holds and the clean-up
 #: after the read makes feasible: SCS stopped at its iteration cap left a ring of 64 at 1.0027
 #: and a Watts-Strogatz graph of 100 at 1.0038 (1e-3 solved those again on every read)
-_CACHE_SLACK = 0.1
+_CACHE_SLACK = 1e-2
 
 
 def _cached_fmmc(path: Path, n: int, u: np.ndarray, v: np.ndarray) -> np.ndarray | None:

@@ -275,7 +275,9 @@ def _choose_writers(
                 f"{kind}: writer_fraction must be in (0, 1], got {opts['writer_fraction']}"
             )
         drawn = rng.permutation(writers)
-        writers = drawn[kept[drawn]][: max(1, round(opts["writer_fraction"] * len(writers)))]
+        k = max(1, round(opts["writer_fraction"] * len(writers)))
+        # (with n_clients, the draw below keeps the first that are kept, as the old one ran)
+        writers = drawn[:k] if opts["n_clients"] is not None else drawn[kept[drawn]][:k]
     if opts["n_clients"] is not None:
         available = int(kept[writers].sum())
         if not 1 <= opts["n_clients"] <= available:
