@@ -91,6 +91,16 @@ def test_a_graph_of_another_size_says_what_n_is(tmp_path, capsys):
     _one_line_error(capsys, argv, says + r"\.unseen_fraction holds out\)")
 
 
+def test_an_em_graph_of_another_size_says_its_n_is_its_workers(tmp_path, capsys):
+    """EM reads no data.* key: its n is expfam.clients."""
+    (tmp_path / "tri.txt").write_text("0 1\n1 2\n2 0\n")
+    argv = ["run", str(ROOT / "configs/expfam/gmm2d_fedem.yaml"), "--set",
+            "algorithm.name=gossip_fedem_em", "--set", f"schedule={{graph: {tmp_path}/tri.txt}}",
+            "--out", str(tmp_path / "r")]  # fmt: skip
+    _one_line_error(capsys, argv, r"has 3 nodes but n is \d+ \(the run's training peers: its "
+                                  r"workers, expfam.clients\)$")  # fmt: skip
+
+
 def test_a_graph_file_where_a_schedule_file_goes_says_where_it_goes(tmp_path, capsys):
     files = _files(tmp_path)
     cfg = str(ROOT / "configs/synthetic/dfedem.yaml")
@@ -134,6 +144,8 @@ def test_cached_fmmc_weights_that_are_no_weights_are_solved_again(tmp_path, w, k
         (["data.noise_std=.nan"], r"noise_std must be a number >= 0, got nan"),
         (["data.noise_std=.inf"], r"noise_std must be a number >= 0, got inf"),
         (["data.cache_dir=5"], r"synthetic: option 'cache_dir' must be a folder \(got 5\)"),
+        # pathlib's RuntimeError: a traceback
+        (["data.cache_dir=~no_such_user_x/c"], r"'data.cache_dir': cannot expand '~no_such_us"),
     ],
 )
 def test_runs_refused_before_training(tmp_path, capsys, sets, pattern):
