@@ -32,6 +32,7 @@ import torch
 
 from gossip_pfl.errors import GossipError
 from gossip_pfl.rundir import CHECKPOINT_FILE as FILE
+from gossip_pfl.rundir import is_number
 
 FORMAT_VERSION = 1
 _MAGIC_PREFIX = b"gossip-pfl checkpoint "
@@ -320,14 +321,10 @@ def check_like(value: object, like: object, key: str, where: str = "checkpoint")
         if value.dtype != like.dtype:
             raise bad(f"of {value.dtype}", f"of {like.dtype}")
     elif isinstance(like, list):
-        if not (isinstance(value, list) and all(_is_number(v) for v in value)):
+        if not (isinstance(value, list) and all(is_number(v) for v in value)):
             raise bad(_kind(value), "a list of numbers")
-    elif _is_number(like) and not _is_number(value):
+    elif is_number(like) and not is_number(value):
         raise bad(_kind(value), "a number")
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _first_nan(value: object, key: str = "") -> str | None:

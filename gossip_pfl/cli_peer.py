@@ -47,6 +47,7 @@ from gossip_pfl.rundir import (
     check_out_dir,
     check_processes_stopped,
     clear_outputs,
+    is_number,
     is_peer_run,
     kept_rounds,
     read_rows,
@@ -584,7 +585,7 @@ def _is_count(x) -> bool:
 def _numbers(x, length: int | None = None) -> bool:
     """A list of numbers (of ``length``)."""
     return (isinstance(x, list) and (length is None or len(x) == length)
-            and all(isinstance(v, int | float) and not isinstance(v, bool) for v in x))  # fmt: skip
+            and all(is_number(v) for v in x))  # fmt: skip
 
 
 def _metrics_row(path: Path, row: dict) -> dict:
@@ -638,7 +639,7 @@ def _wall_seconds(path: Path) -> float:
         value = json.loads(path.read_text())["wall_seconds"]
     except (ValueError, TypeError, KeyError, IndexError) as e:  # JSONDecodeError: a ValueError
         raise GossipError(f"{path}: not a process summary with wall_seconds ({e!r})") from None
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if not is_number(value):
         raise GossipError(f"{path}: wall_seconds is {value!r}, not a number")
     return float(value)
 

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from gossip_pfl.errors import GossipError, one_line
-from gossip_pfl.rundir import FIGURES, read_rows, replace_all
+from gossip_pfl.rundir import FIGURES, is_number, read_rows, replace_all
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -59,7 +59,7 @@ class Run:
         values = []
         for r in self.rows:
             v = r.get(key)
-            if v is not None and not _is_number(v):
+            if v is not None and not is_number(v):
                 raise GossipError(f"{self.path / 'metrics.jsonl'}, round {r['round']}: {key} "
                                   f"is {v!r}, not a number")  # fmt: skip
             values.append(math.nan if v is None else float(v))
@@ -69,7 +69,7 @@ class Run:
         """A list of numbers from ``where`` (a file, a round) as floats, null as NaN (a peer
         that did not report): a string or a boolean in it is named, not read as a number
         ("0.5" was 0.5, true 1, "a" a category axis)."""
-        if not (isinstance(value, list) and all(x is None or _is_number(x) for x in value)):
+        if not (isinstance(value, list) and all(x is None or is_number(x) for x in value)):
             raise GossipError(f"{where}: {key} is {value!r:.80}, not a list of numbers")
         return np.array([math.nan if x is None else x for x in value], dtype=float)
 
@@ -79,16 +79,12 @@ class Run:
 
     def final_client_accuracy(self) -> np.ndarray | None:
         """Per-client test accuracy at the end: summary.json, else the last metrics row."""
-        acc, where = self.summary.get("client_test_accuracy"), self.path / "summary.json"
+        acc, where = self.summary.get("client_test_accuracy"), str(self.path / "summary.json")
         if acc is None:
             last = self.rows[-1]
-            acc, where = last.get("client_test_accuracy"), f"{self.path / 'metrics.jsonl'}, " \
-                                                           f"round {last['round']}"  # fmt: skip
-        return None if acc is None else self.numbers(str(where), "client_test_accuracy", acc)
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)  # (JSON's true is an int)
+            acc = last.get("client_test_accuracy")
+            where = f"{self.path / 'metrics.jsonl'}, round {last['round']}"
+        return None if acc is None else self.numbers(where, "client_test_accuracy", acc)
 
 
 # --------------------------------------------------------------------------- loading

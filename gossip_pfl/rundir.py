@@ -335,6 +335,12 @@ def write_rows(path: Path, rows: list[dict], append: bool = False) -> None:
             fh.write(json.dumps(row) + "\n")
 
 
+def is_number(value: object) -> bool:
+    """A JSON number of a run's files: an int or a float, not a bool (JSON's true is an int
+    to Python)."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def read_rows(path: Path) -> list[dict]:
     """The JSON objects of a ``.jsonl`` file, one per line ([] when there is no file). A last
     line cut short (no newline: a row being written, or a process killed while writing it)

@@ -256,7 +256,7 @@ def fmmc(
     # Solver noise: clip tiny negatives and, if a node's weights sum past 1, shrink all weights
     # uniformly so that every self weight stays >= 0 (keeps W symmetric and stochastic).
     w = np.clip(w, 0.0, None)
-    load = np.bincount(u, weights=w, minlength=n) + np.bincount(v, weights=w, minlength=n)
+    load = _load(n, u, v, w)
     if load.max() > 1.0:
         w = w / load.max()
     return _symmetric(n, u, v, w, sparse)
@@ -318,8 +318,12 @@ def _cached_fmmc(path: Path, n: int, u: np.ndarray, v: np.ndarray) -> np.ndarray
         return None
     if w.shape != (len(u),) or w.dtype != np.float64 or not np.isfinite(w).all():
         return None
-    load = np.bincount(u, weights=w, minlength=n) + np.bincount(v, weights=w, minlength=n)
-    return w if w.min() >= -_CACHE_SLACK and load.max() <= 1 + _CACHE_SLACK else None
+    return w if w.min() >= -_CACHE_SLACK and _load(n, u, v, w).max() <= 1 + _CACHE_SLACK else None
+
+
+def _load(n: int, u: np.ndarray, v: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Each node's total edge weight (n,): at most 1 leaves its self weight >= 0."""
+    return np.bincount(u, weights=w, minlength=n) + np.bincount(v, weights=w, minlength=n)
 
 
 def _store_fmmc(path: Path, w: np.ndarray) -> None:

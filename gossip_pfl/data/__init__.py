@@ -214,8 +214,40 @@ def _leaf_dataset(kind: str, **given: Any) -> FederatedDataset:
 def _choose_writers(
     kind: str, data: leaf.LeafData, opts: dict[str, Any], split: tuple[float, float, float]
 ) -> tuple[np.ndarray, dict[str, int]]:
-    """Writers that can be clients, then a seeded subset: (sorted ids, number left out per
-    reason).
+    """Writers that can be clients (:func:`_writers_kept`), then a seeded subset: (sorted ids,
+    number left out per reason)."""
+    low, kept, left_out, said = _writers_kept(kind, data, opts, split)
+    # the seeded choice draws from the writers with min_samples, as before the others were
+    # left out (a run refused then), and keeps the first that are kept: a config that ran
+    # then picks the same writers now
+    writers = np.flatnonzero(~low)
+    rng = np.random.default_rng([opts["seed"], 0x1EAF])
+    if opts["writer_fraction"] != 1.0:
+        if not 0 < opts["writer_fraction"] <= 1:
+            raise GossipError(
+                f"{kind}: writer_fraction must be in (0, 1], got {opts['writer_fraction']}"
+            )
+        drawn = rng.permutation(writers)
+        k = max(1, round(opts["writer_fraction"] * len(writers)))
+        # (with n_clients, the draw below keeps the first that are kept, as the old one ran)
+        writers = drawn[:k] if opts["n_clients"] is not None else drawn[kept[drawn]][:k]
+    if opts["n_clients"] is not None:
+        available = int(kept[writers].sum())
+        if not 1 <= opts["n_clients"] <= available:
+            raise GossipError(
+                f"{kind}: n_clients must be in 1..{available} (writers available), "
+                f"got {opts['n_clients']}" + (f"; left out: {said}" if said else "")
+            )
+        drawn = rng.permutation(writers)
+        writers = drawn[kept[drawn]][: opts["n_clients"]]
+    return np.sort(writers[kept[writers]]), left_out
+
+
+def _writers_kept(
+    kind: str, data: leaf.LeafData, opts: dict[str, Any], split: tuple[float, float, float]
+) -> tuple[np.ndarray, np.ndarray, dict[str, int], str]:
+    """(writers under ``min_samples``, writers kept, number left out per reason, the reasons
+    in words), by writer id.
 
     Left out, besides writers under ``min_samples``: with ``leaf_split``, those with no sample
     in LEAF's train or test files; those whose samples ``split`` cannot fill (60/20/20 takes
@@ -263,31 +295,8 @@ def _choose_writers(
         if out["too_few_for_split"].any() and opts["min_samples"] < need and not opts["leaf_split"]:
             hint = f"; data.min_samples: {need} leaves such writers out without this warning"
         warnings.warn(f"{kind}: {n_users - len(writers) - int(low.sum())} of {n_users} writers "
-                      f"left out: {said}{hint}", stacklevel=5)  # fmt: skip
-    # the seeded choice draws from the writers with min_samples, as before the others were
-    # left out (a run refused then), and keeps the first that are kept: a config that ran
-    # then picks the same writers now
-    writers = np.flatnonzero(~low)
-    rng = np.random.default_rng([opts["seed"], 0x1EAF])
-    if opts["writer_fraction"] != 1.0:
-        if not 0 < opts["writer_fraction"] <= 1:
-            raise GossipError(
-                f"{kind}: writer_fraction must be in (0, 1], got {opts['writer_fraction']}"
-            )
-        drawn = rng.permutation(writers)
-        k = max(1, round(opts["writer_fraction"] * len(writers)))
-        # (with n_clients, the draw below keeps the first that are kept, as the old one ran)
-        writers = drawn[:k] if opts["n_clients"] is not None else drawn[kept[drawn]][:k]
-    if opts["n_clients"] is not None:
-        available = int(kept[writers].sum())
-        if not 1 <= opts["n_clients"] <= available:
-            raise GossipError(
-                f"{kind}: n_clients must be in 1..{available} (writers available), "
-                f"got {opts['n_clients']}" + (f"; left out: {said}" if said else "")
-            )
-        drawn = rng.permutation(writers)
-        writers = drawn[kept[drawn]][: opts["n_clients"]]
-    return np.sort(writers[kept[writers]]), left_out
+                      f"left out: {said}{hint}", stacklevel=6)  # fmt: skip
+    return low, kept, left_out, said
 
 
 def _fit_split(kind: str, counts: np.ndarray, split: tuple[float, float, float]) -> np.ndarray:

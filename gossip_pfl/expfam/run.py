@@ -44,7 +44,7 @@ from gossip_pfl.expfam.models import (
     initial_params,
 )
 from gossip_pfl.loop import RoundLoop
-from gossip_pfl.rundir import read_rows
+from gossip_pfl.rundir import is_number, read_rows
 from gossip_pfl.runtime.comm import gather_rows, init_comm
 from gossip_pfl.runtime.exchange import Exchanger
 from gossip_pfl.runtime.messages import Bundle
@@ -585,7 +585,7 @@ def plot_run(run_dir: Path, out: Path | None = None, label: str | None = None) -
         if not (
             isinstance(w, list)
             and len(w) == len(rows[0]["mixture_weights"])
-            and all(isinstance(x, int | float) and not isinstance(x, bool) for x in w)
+            and all(is_number(x) for x in w)
         ):
             raise GossipError(f"{Path(run_dir) / 'metrics.jsonl'}: row {i + 1}'s mixture_weights "
                               f"is {w!r:.60}, not the numbers of row 1's "
